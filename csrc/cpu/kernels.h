@@ -1,0 +1,47 @@
+// Interface between the CPU op (stats_cpu.cpp) and the per-chunk kernels, which are compiled
+// once per instruction set (kernels_default.cpp, kernels_avx2.cpp) and picked at run time, as
+// PyTorch does with its DispatchStub: a default build still runs on a CPU without AVX2.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "../common/stats_math.h"
+
+namespace gradfuse::cpu {
+
+// One tensor's elements as a flat span of memory (the tensor is non-overlapping and dense).
+struct Span {
+  void* data;
+  int64_t numel;
+};
+
+// Arguments shared by every chunk of one call.
+struct ChunkArgs {
+  const Span* spans;
+  int64_t num_tensors;
+  const int64_t* first_chunk;  // ChunkPlan::first_chunk
+  c10::ScalarType dtype;
+};
+
+// Reduces chunks [begin, end) into rows of float_partials (acc type: float, or double for double
+// input; kNumFloatStats per row) and count_partials (kNumCountStats per row).
+using StatsChunksFn = void (*)(const ChunkArgs&, PowMode mode, double p, int64_t begin,
+                               int64_t end, void* float_partials, int64_t* count_partials);
+// Multiplies the elements of chunks [begin, end) by coef in place.
+using ScaleChunksFn = void (*)(const ChunkArgs&, double coef, int64_t begin, int64_t end);
+
+#define GRADFUSE_DECLARE_CPU_KERNELS(ISA)                                                     \
+  namespace ISA {                                                                             \
+  void stats_chunks(const ChunkArgs&, PowMode, double, int64_t, int64_t, void*, int64_t*);    \
+  void scale_chunks(const ChunkArgs&, double, int64_t, int64_t);                              \
+  }
+
+GRADFUSE_DECLARE_CPU_KERNELS(DEFAULT)
+#if defined(__x86_64__) || defined(_M_X64)
+#define GRADFUSE_HAVE_AVX2_KERNELS 1
+GRADFUSE_DECLARE_CPU_KERNELS(AVX2)
+#endif
+
+}  // namespace gradfuse::cpu

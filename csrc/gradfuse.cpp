@@ -1,0 +1,40 @@
+// The gradfuse._C extension: op schemas (implemented per backend in cpu/ and cuda/) and what the
+// module was built against.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "common/chunk_plan.h"
+#include "cpu/cpu_capability.h"
+#include "generated/build_config.h"  // written by setup.py
+
+
+TORCH_LIBRARY(gradfuse, m) {
+  // Per tensor of one (device, dtype) group: float64 [n, 4] (sum, sum of squares, max |x|,
+  // sum |x|^norm_type when norm_type is not 0, 2 or inf) and int64 [n, 4] (NaN, Inf and zero
+  // counts, numel). One pass over the data; no host synchronisation.
+  m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
+  // Multiplies every tensor in place by coef (a one-element tensor on the tensors' device) when
+  // coef < 1 or NaN; touches no memory otherwise. The decision is taken on the device.
+  m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_info", [] {
+    pybind11::dict d;
+    d["torch_version"] = GRADFUSE_TORCH_VERSION;
+    d["cuda_version"] = std::string(GRADFUSE_CUDA_VERSION);
+    d["cuda_archs"] = std::string(GRADFUSE_CUDA_ARCHS);
+#ifdef GRADFUSE_WITH_CUDA
+    d["with_cuda"] = true;
+#else
+    d["with_cuda"] = false;
+#endif
+    d["chunk_elems"] = gradfuse::kChunkElems;
+    d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
+    return d;
+  });
+  m.def("cpu_capability", [] { return gradfuse::cpu::active_cpu_capability(); },
+        "The build of the CPU kernels in use: 'avx2' or 'default'.");
+  m.def("set_cpu_capability", &gradfuse::cpu::set_cpu_capability,
+        "Force the CPU kernels: 'default' or 'avx2'.");
+}

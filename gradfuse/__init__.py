@@ -1,0 +1,14 @@
+"""gradfuse: fused gradient statistics and clipping for PyTorch.
+
+One multi-tensor pass per (device, dtype) computes, for every gradient, L2 and L-infinity norms,
+mean, NaN, Inf and zero counts, and the total norm, without host synchronisation; clipping scales
+only when needed, decided on the device.
+"""
+from gradfuse._ext import backend, build_info
+from gradfuse.api import clip_, clip_grad_norm_, stats, tensor_stats
+from gradfuse.grad_stats import GradStats
+
+__version__ = "0.1.0"
+
+__all__ = ["GradStats", "backend", "build_info", "clip_", "clip_grad_norm_", "stats",
+           "tensor_stats", "__version__"]

@@ -1,0 +1,230 @@
+"""The public entry points: stats, tensor_stats, clip_grad_norm_, clip_."""
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gradfuse import ops
+from gradfuse.grad_stats import GradStats
+from gradfuse.reference import MAXABS, NUMEL, POWSUM, SUMSQ, ZERO
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+Source = nn.Module | torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def _named_grads(source: Source) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """(names, parameters, gradients) of the parameters in ``source`` that have a gradient."""
+    if isinstance(source, nn.Module):
+        items = list(source.named_parameters())
+    elif isinstance(source, torch.Tensor):
+        items = [("[0]", source)]
+    else:
+        items = []
+        for i, item in enumerate(source):
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                items.append(item)
+            elif isinstance(item, torch.Tensor):
+                items.append((f"[{i}]", item))
+            else:
+                raise TypeError(f"gradfuse: expected parameters or (name, parameter) pairs, "
+                                f"item {i} is {type(item).__name__}")
+    names, params, grads = [], [], []
+    for name, p in items:
+        if p.grad is None:
+            continue
+        _check_tensor(name, p.grad, "gradient")
+        names.append(name)
+        params.append(p)
+        grads.append(p.grad)
+    return names, params, grads
+
+
+def _check_tensor(name: str, t: torch.Tensor, what: str) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"gradfuse: the {what} of {name!r} is {t.layout}; only dense tensors are "
+                        "supported (for sparse gradients use torch.nn.utils.clip_grad_norm_)")
+    if t.dtype not in SUPPORTED_DTYPES:
+        kind = "complex" if t.dtype.is_complex else "not floating point"
+        raise TypeError(f"gradfuse: the {what} of {name!r} has dtype {t.dtype} ({kind}); "
+                        "supported: float16, bfloat16, float32, float64")
+
+
+def _check_norm_type(norm_type) -> float:
+    p = float(norm_type)
+    if math.isnan(p) or p == -math.inf:
+        raise ValueError(f"gradfuse: norm_type must be a number >= 0 or inf, got {norm_type!r}")
+    if p < 0:
+        raise ValueError(f"gradfuse: norm_type must be >= 0 or inf, got {p}")
+    return p
+
+
+def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` per (device, dtype), in first-seen order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float) -> GradStats:
+    """One fused pass per (device, dtype) group; rows of the result follow the returned names
+    (grouped: the order of ``tensors`` when there is one group)."""
+    if not tensors:
+        empty_f = torch.empty((0, 4), dtype=torch.float64)
+        return GradStats([], empty_f, torch.empty((0, 4), dtype=torch.int64), norm_type,
+                         torch.tensor(0.0))
+    first_device = tensors[0].device
+    out_names, floats, counts = [], [], []
+    for (_device, _dtype), idx in _groups(tensors).items():
+        f, c = ops.multi_tensor_stats([tensors[i] for i in idx], norm_type)
+        out_names += [names[i] for i in idx]
+        floats.append(f.to(first_device))
+        counts.append(c.to(first_device))
+    floats = floats[0] if len(floats) == 1 else torch.cat(floats)
+    counts = counts[0] if len(counts) == 1 else torch.cat(counts)
+    total = _total_norm(floats, counts, norm_type)
+    # The dtype clip_grad_norm_ returns: that of its stacked per-tensor norms.
+    out_dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        out_dtype = torch.promote_types(out_dtype, t.dtype)
+    return GradStats(out_names, floats, counts, norm_type, total.to(out_dtype))
+
+
+def _total_norm(floats: torch.Tensor, counts: torch.Tensor, p: float) -> torch.Tensor:
+    """Norm of all gradients as one vector, from the per-tensor results, in float64."""
+    if p == 2.0:
+        return floats[:, SUMSQ].sum().sqrt()
+    if math.isinf(p):
+        return floats[:, MAXABS].amax()  # amax propagates NaN
+    if p == 0.0:
+        return (counts[:, NUMEL] - counts[:, ZERO]).sum().to(torch.float64)
+    if p == 1.0:
+        return floats[:, POWSUM].sum()
+    return floats[:, POWSUM].sum().pow(1.0 / p)
+
+
+def stats(source: Source, *, norm_type: float = 2.0) -> GradStats:
+    """Statistics of the gradients of ``source``, in one fused pass per (device, dtype).
+
+    ``source`` is an ``nn.Module``, a tensor, an iterable of parameters, or an iterable of
+    ``(name, parameter)`` pairs; parameters whose ``.grad`` is None are left out.
+
+    Example::
+
+        loss.backward()
+        s = gradfuse.stats(model)
+        if s.nonfinite:          # a 0-d tensor: this line syncs, the stats did not
+            print(s.nonfinite_names())
+    """
+    p = _check_norm_type(norm_type)
+    names, _params, grads = _named_grads(source)
+    return _fused_stats(names, grads, p)
+
+
+def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torch.Tensor], *,
+                 norm_type: float = 2.0) -> GradStats:
+    """The same statistics for arbitrary tensors (activations, weights, ...).
+
+    ``tensors`` is a tensor, an iterable of tensors (named ``[i]``) or a dict name -> tensor.
+    """
+    p = _check_norm_type(norm_type)
+    if isinstance(tensors, torch.Tensor):
+        items = [("[0]", tensors)]
+    elif isinstance(tensors, dict):
+        items = list(tensors.items())
+    else:
+        items = [(f"[{i}]", t) for i, t in enumerate(tensors)]
+    for name, t in items:
+        _check_tensor(name, t, "tensor")
+    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p)
+
+
+def _check_max_norm(max_norm) -> float:
+    m = float(max_norm)
+    if math.isnan(m) or m < 0:
+        raise ValueError(f"gradfuse: max_norm must be a non-negative number, got {max_norm!r}")
+    return m
+
+
+def _raise_nonfinite(s: GradStats) -> None:
+    bad = s.nonfinite_names()
+    detail = ""
+    if bad:
+        rows = s.to_dict()["params"]
+        detail = " Non-finite gradients: " + ", ".join(
+            f"{n} (nan={rows[n]['nan_count']}, inf={rows[n]['inf_count']})" for n in bad[:20])
+        if len(bad) > 20:
+            detail += f", ... {len(bad) - 20} more"
+    else:
+        detail = " No gradient holds NaN or Inf: the norm overflowed."
+    raise RuntimeError(
+        f"The total norm of order {s.norm_type} for gradients from `parameters` is non-finite, "
+        "so it cannot be clipped. To disable this error and scale the gradients by the "
+        "non-finite norm anyway, set `error_if_nonfinite=False`." + detail)
+
+
+def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> GradStats:
+    s = _fused_stats(names, grads, norm_type)
+    if not grads:
+        return s
+    total = s.total_norm
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
+        _raise_nonfinite(s)
+    # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, _dtype), idx in _groups(grads).items():
+        ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
+    s.clip_coef = clip_coef
+    s.max_norm = max_norm
+    return s
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """Drop-in for :func:`torch.nn.utils.clip_grad_norm_`: same arguments, same in-place effect,
+    same returned total norm (a 0-d tensor in the gradients' dtype).
+
+    The norm is one fused pass per (device, dtype) group; the gradients are scaled by
+    ``min(max_norm / (total_norm + 1e-6), 1)`` in a second pass that runs only when that
+    coefficient is below 1 (decided on the device, without a host sync). ``foreach`` is
+    accepted for compatibility; gradfuse always uses its fused kernels.
+    """
+    del foreach
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and len(parameters) == 0:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                          stacklevel=3)
+    names, _params, grads = _named_grads(parameters)
+    return _clip(names, grads, _check_max_norm(max_norm), _check_norm_type(norm_type),
+                 error_if_nonfinite).total_norm
+
+
+@torch.no_grad()
+def clip_(source: Source, max_norm: float, norm_type: float = 2.0,
+          error_if_nonfinite: bool = False) -> GradStats:
+    """Clip the gradients of ``source`` by total norm in place, like ``clip_grad_norm_``, and
+    return their statistics from before clipping, with ``clip_coef`` and ``clipped``.
+
+    One fused stats pass, plus a scale pass only on steps that need clipping::
+
+        loss.backward()
+        s = gradfuse.clip_(model, max_norm=1.0)
+        if step % 100 == 0:
+            print(s.table(top=10))   # the only host transfer
+        optimizer.step()
+    """
+    max_norm = _check_max_norm(max_norm)
+    p = _check_norm_type(norm_type)
+    names, _params, grads = _named_grads(source)
+    return _clip(names, grads, max_norm, p, error_if_nonfinite)

@@ -1,0 +1,189 @@
+"""GradStats: the per-parameter gradient statistics of one step, kept on the device."""
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+import torch
+
+from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
+
+PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "zero_count",
+                    "zero_fraction")
+
+
+class GradStats:
+    """Statistics of a set of gradients: per parameter (rows follow :attr:`names`) and in total.
+
+    Every attribute is a tensor on the device of the first gradient and is computed without host
+    synchronisation. Reading values as Python numbers (:meth:`to_dict`, :meth:`table`,
+    :meth:`nonfinite_names`) copies everything to the host in one transfer, once, and caches it.
+
+    Per parameter (1-d tensors): ``numel``, ``l2``, ``linf``, ``mean``, ``nan_count``,
+    ``inf_count``, ``zero_count``, ``zero_fraction`` (float64 / int64). L2 and L-infinity
+    follow ``torch.linalg.vector_norm`` (NaN and Inf propagate); an empty gradient has
+    ``l2 = linf = mean = zero_fraction = 0``.
+
+    In total (0-d tensors): ``total_norm`` (of order ``norm_type``, in the gradients' dtype as
+    ``clip_grad_norm_`` returns it), ``nonfinite`` (any NaN or Inf element in any gradient),
+    and after :func:`gradfuse.clip_` also ``clip_coef`` (the factor applied, at most 1) and
+    ``clipped``.
+    """
+
+    def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
+                 norm_type: float, total_norm: torch.Tensor,
+                 clip_coef: torch.Tensor | None = None, max_norm: float | None = None):
+        self.names = names
+        self.norm_type = norm_type
+        self.total_norm = total_norm
+        self.clip_coef = clip_coef
+        self.max_norm = max_norm
+        self._floats = floats  # [n, 4] float64, columns as in gradfuse.reference
+        self._counts = counts  # [n, 4] int64
+        self._host_cache: dict | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # Per-parameter statistics, derived lazily from the fused results (small device ops).
+    @cached_property
+    def numel(self) -> torch.Tensor:
+        return self._counts[:, NUMEL]
+
+    @cached_property
+    def l2(self) -> torch.Tensor:
+        return self._floats[:, SUMSQ].sqrt()
+
+    @cached_property
+    def linf(self) -> torch.Tensor:
+        return self._floats[:, MAXABS]
+
+    @cached_property
+    def mean(self) -> torch.Tensor:
+        return self._floats[:, SUM] / self.numel.clamp(min=1)
+
+    @cached_property
+    def nan_count(self) -> torch.Tensor:
+        return self._counts[:, NAN]
+
+    @cached_property
+    def inf_count(self) -> torch.Tensor:
+        return self._counts[:, INF]
+
+    @cached_property
+    def zero_count(self) -> torch.Tensor:
+        return self._counts[:, ZERO]
+
+    @cached_property
+    def zero_fraction(self) -> torch.Tensor:
+        return self.zero_count / self.numel.clamp(min=1)
+
+    @cached_property
+    def nonfinite(self) -> torch.Tensor:
+        return (self._counts[:, NAN] + self._counts[:, INF]).sum() > 0
+
+    @cached_property
+    def clipped(self) -> torch.Tensor | None:
+        if self.clip_coef is None:
+            return None
+        return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
+
+    def norm(self, norm_type: float | None = None) -> torch.Tensor:
+        """Per-parameter norm of order ``norm_type`` (default: this object's), float64. Orders
+        other than 0, 1, 2, inf need the stats to have been taken with that ``norm_type``."""
+        p = self.norm_type if norm_type is None else float(norm_type)
+        if p == 2.0:
+            return self.l2
+        if math.isinf(p) and p > 0:
+            return self.linf
+        if p == 0.0:
+            return (self.numel - self.zero_count).to(torch.float64)
+        if p != self.norm_type:
+            raise ValueError(f"per-parameter norms of order {p} need gradfuse.stats(..., "
+                             f"norm_type={p}); these stats were taken with norm_type={self.norm_type}")
+        return self._floats[:, POWSUM] if p == 1.0 else self._floats[:, POWSUM].pow(1.0 / p)
+
+    # Host side: one transfer, cached.
+    def _host(self) -> dict:
+        if self._host_cache is None:
+            n = len(self.names)
+            dev = self._floats.device
+            scalars = [self.total_norm.to(dev, torch.float64).reshape(1)]
+            if self.clip_coef is not None:
+                scalars.append(self.clip_coef.to(dev, torch.float64).reshape(1))
+            cols = [self.l2, self.linf, self.mean, self.zero_fraction,
+                    self.numel.double(), self.nan_count.double(), self.inf_count.double(),
+                    self.zero_count.double()]
+            packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
+            rows = [packed[i * 8:(i + 1) * 8] for i in range(n)]
+            tail = packed[n * 8:]
+            self._host_cache = {
+                "rows": rows,
+                "total_norm": tail[0],
+                "clip_coef": tail[1] if self.clip_coef is not None else None,
+            }
+        return self._host_cache
+
+    def to_dict(self) -> dict:
+        """All statistics as Python numbers: ``{"total_norm", "norm_type", "nonfinite",
+        "clip_coef", "clipped", "params": {name: {numel, l2, linf, mean, nan_count, inf_count,
+        zero_count, zero_fraction}}}``."""
+        h = self._host()
+        params = {}
+        for name, (l2, linf, mean, zf, numel, nan, inf, zero) in zip(self.names, h["rows"]):
+            params[name] = {"numel": int(numel), "l2": l2, "linf": linf, "mean": mean,
+                            "nan_count": int(nan), "inf_count": int(inf),
+                            "zero_count": int(zero), "zero_fraction": zf}
+        coef = h["clip_coef"]
+        return {
+            "total_norm": h["total_norm"],
+            "norm_type": self.norm_type,
+            "nonfinite": any(p["nan_count"] or p["inf_count"] for p in params.values()),
+            "clip_coef": coef,
+            "clipped": None if coef is None else not (coef >= 1),
+            "max_norm": self.max_norm,
+            "params": params,
+        }
+
+    def nonfinite_names(self) -> list[str]:
+        """Names of the parameters whose gradient holds a NaN or an Inf."""
+        return [name for name, row in zip(self.names, self._host()["rows"]) if row[5] or row[6]]
+
+    def table(self, top: int | None = None, sort_by: str = "l2") -> str:
+        """A fixed-width table of the per-parameter statistics, largest ``sort_by`` first
+        (NaN first of all), limited to ``top`` rows, with the totals below."""
+        d = self.to_dict()
+        if sort_by not in PER_PARAM_FIELDS:
+            raise ValueError(f"sort_by must be one of {PER_PARAM_FIELDS}, got {sort_by!r}")
+        items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1][sort_by]), reverse=True)
+        shown = items if top is None else items[:top]
+        width = max([len("parameter")] + [len(n) for n, _ in shown])
+        head = (f"{'parameter':<{width}}  {'numel':>10}  {'l2':>10}  {'linf':>10}  {'mean':>11}"
+                f"  {'nan':>6}  {'inf':>6}  {'zero%':>6}")
+        lines = [head, "-" * len(head)]
+        for name, r in shown:
+            lines.append(f"{name:<{width}}  {r['numel']:>10}  {r['l2']:>10.4g}  {r['linf']:>10.4g}"
+                         f"  {r['mean']:>11.3e}  {r['nan_count']:>6}  {r['inf_count']:>6}"
+                         f"  {100 * r['zero_fraction']:>6.1f}")
+        if len(shown) < len(items):
+            lines.append(f"... {len(items) - len(shown)} more parameters")
+        total = f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}"
+        if d["clip_coef"] is not None:
+            total += (f"   clip coef: {d['clip_coef']:.4g} "
+                      f"({'clipped' if d['clipped'] else 'not clipped'}, max_norm {d['max_norm']:g})")
+        if d["nonfinite"]:
+            total += f"   NON-FINITE: {', '.join(self.nonfinite_names())}"
+        lines.append(total)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"GradStats({len(self.names)} parameters, norm_type={self.norm_type}, "
+                f"device={self._floats.device})")
+
+
+def _sort_key(v: float):
+    return (math.isnan(v), v if not math.isnan(v) else 0.0)
+
+
+def _order(p: float) -> str:
+    return "inf" if math.isinf(p) else f"{p:g}"

@@ -1,0 +1,42 @@
+"""Pure-PyTorch implementation of gradfuse's two ops: the test oracle, and the fallback where
+gradfuse._C has no kernel. Same inputs, outputs and semantics as the compiled ops (see
+csrc/gradfuse.cpp), computed per tensor in float64; no host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Column layout shared with csrc/common/stats_math.h.
+SUM, SUMSQ, MAXABS, POWSUM = range(4)
+NAN, INF, ZERO, NUMEL = range(4)
+
+
+def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float):
+    if len(tensors) == 0:
+        return torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64)
+    device = tensors[0].device
+    p = float(norm_type)
+    rows_f, rows_c = [], []
+    for t in tensors:
+        x = t.detach().reshape(-1).to(torch.float64)
+        a = x.abs()
+        if p in (0.0, 2.0) or math.isinf(p):
+            powsum = x.new_zeros(())
+        elif p == 1.0:
+            powsum = a.sum()
+        else:
+            powsum = a.pow(p).sum()
+        maxabs = a.amax() if x.numel() else x.new_zeros(())
+        rows_f.append(torch.stack([x.sum(), (x * x).sum(), maxabs, powsum]))
+        rows_c.append(torch.stack([x.isnan().sum(), x.isinf().sum(), (x == 0).sum(),
+                                   torch.tensor(x.numel(), device=device)]))
+    return torch.stack(rows_f), torch.stack(rows_c).to(torch.int64)
+
+
+def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    if len(tensors) == 0:
+        return
+    # min(coef, 1) is exact when no scaling is needed, and needs no host decision.
+    torch._foreach_mul_(tensors, torch.clamp(coef.reshape(()), max=1.0).to(tensors[0].device))

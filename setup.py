@@ -1,0 +1,150 @@
+"""Builds gradfuse._C: the CPU kernels always, the CUDA kernels whenever a CUDA toolkit and a CUDA
+build of torch are present (a visible GPU is not needed).
+
+Environment:
+  GRADFUSE_CUDA=0/1        force the CUDA kernels off / on (on fails if they cannot be built)
+  CUDA_HOME                the CUDA toolkit; found from nvcc when unset (see find_cuda_home)
+  TORCH_CUDA_ARCH_LIST     GPU architectures; default DEFAULT_CUDA_ARCHS when no GPU is visible
+  MAX_JOBS                 parallel compile jobs (ninja)
+  DEBUG=1                  -O0 -g
+  GRADFUSE_PTXAS_VERBOSE=1 print registers / spills per CUDA kernel
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+# sm_80 (A100), sm_90 (H100/H200), sm_100 (B200), sm_120 (RTX 50xx), plus PTX for newer GPUs.
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0;12.0+PTX"
+MIN_TORCH = (2, 4)
+
+
+def log(msg):
+    print(f"[gradfuse setup] {msg}", file=sys.stderr)
+
+
+def find_cuda_home():
+    """The real toolkit root. The nvcc on PATH may be a wrapper script outside the toolkit (then
+    torch's guess, dirname(dirname(nvcc)), has no lib64/libcudart and linking fails), so ask nvcc
+    itself where it lives: its dry run prints the directory of the real binary."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:
+            out = subprocess.run([nvcc, "--dryrun", "-v", "-x", "cu", os.devnull],
+                                 capture_output=True, text=True, timeout=60)
+            m = re.search(r"^#\$ _HERE_=(.*)$", out.stdout + out.stderr, re.M)
+            if m and Path(m.group(1).strip(), "nvcc").exists():
+                return str(Path(m.group(1).strip()).parent)
+        except (OSError, subprocess.SubprocessError) as e:
+            log(f"could not ask {nvcc} for its toolkit: {e}")
+    for candidate in ("/usr/local/cuda",):
+        if Path(candidate, "bin", "nvcc").exists():
+            return candidate
+    return None
+
+
+def nvcc_version(cuda_home):
+    out = subprocess.run([str(Path(cuda_home, "bin", "nvcc")), "--version"],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise RuntimeError(f"could not read the CUDA version from nvcc --version:\n{out}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def decide_cuda(torch):
+    """(use_cuda, cuda_home, reason)"""
+    want = os.environ.get("GRADFUSE_CUDA")
+    if want == "0":
+        return False, None, "GRADFUSE_CUDA=0"
+    reason = None
+    cuda_home = find_cuda_home()
+    if torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is not a CUDA build"
+    elif cuda_home is None:
+        reason = "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+    if reason:
+        if want == "1":
+            raise SystemExit(f"[gradfuse setup] GRADFUSE_CUDA=1 but {reason}")
+        return False, None, reason
+    major, minor = nvcc_version(cuda_home)
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if major != torch_major:
+        raise SystemExit(
+            f"[gradfuse setup] nvcc in {cuda_home} is CUDA {major}.{minor} but torch "
+            f"{torch.__version__} was built with CUDA {torch.version.cuda}; the major versions "
+            "must match. Point CUDA_HOME at a matching toolkit, or build CPU-only with GRADFUSE_CUDA=0.")
+    return True, cuda_home, f"CUDA {major}.{minor} at {cuda_home}"
+
+
+def write_build_config(torch, use_cuda, archs):
+    """csrc/generated/build_config.h: what this build is for, checked again at import."""
+    path = ROOT / "csrc" / "generated" / "build_config.h"
+    path.parent.mkdir(exist_ok=True)
+    text = (
+        "// Written by setup.py; not in git.\n#pragma once\n"
+        f'#define GRADFUSE_TORCH_VERSION "{torch.__version__}"\n'
+        f'#define GRADFUSE_CUDA_VERSION "{torch.version.cuda if use_cuda else ""}"\n'
+        f'#define GRADFUSE_CUDA_ARCHS "{archs if use_cuda else ""}"\n'
+    )
+    if not path.exists() or path.read_text() != text:  # keep ninja's timestamps when unchanged
+        path.write_text(text)
+
+
+def extensions():
+    import torch
+    from packaging.version import Version
+
+    if Version(torch.__version__).release[:2] < MIN_TORCH:
+        raise SystemExit(f"[gradfuse setup] torch >= {'.'.join(map(str, MIN_TORCH))} is required, "
+                         f"found {torch.__version__}")
+    use_cuda, cuda_home, reason = decide_cuda(torch)
+    if use_cuda:
+        os.environ["CUDA_HOME"] = cuda_home  # read by torch.utils.cpp_extension at import
+    archs = ""
+    if use_cuda:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            if torch.cuda.is_available():
+                archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                                         for i in range(torch.cuda.device_count())}))
+            else:
+                archs = DEFAULT_CUDA_ARCHS
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        archs = os.environ["TORCH_CUDA_ARCH_LIST"]
+    log(f"CUDA kernels: {'yes' if use_cuda else 'no'} ({reason})" + (f", archs {archs}" if archs else ""))
+    write_build_config(torch, use_cuda, archs)
+
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    debug = os.environ.get("DEBUG") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
+    sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]
+    if not use_cuda:
+        return [CppExtension("gradfuse._C", sources, extra_compile_args={"cxx": cxx})]
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
+    nvcc = opt + ["-lineinfo", "--Werror", "all-warnings"] if not debug else opt
+    if os.environ.get("GRADFUSE_PTXAS_VERBOSE") == "1":
+        nvcc += ["-Xptxas", "-v"]
+    return [CUDAExtension("gradfuse._C", sources,
+                          extra_compile_args={"cxx": cxx + ["-DGRADFUSE_WITH_CUDA"], "nvcc": nvcc})]
+
+
+def build_ext_class():
+    from torch.utils.cpp_extension import BuildExtension
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(
+    packages=find_packages(include=["gradfuse", "gradfuse.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": build_ext_class()},
+)

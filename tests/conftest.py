@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+import gradfuse
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def pytest_report_header(config):
+    info = gradfuse.build_info()
+    return (f"gradfuse build: {info}\n"
+            f"backends: " + ", ".join(f"{d}={gradfuse.backend(d)}" for d in DEVICES))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=["avx2", "default"])
+def cpu_capability(request):
+    """Runs a test with each build of the CPU kernels this machine can run."""
+    from gradfuse import _ext
+    if _ext._C is None:
+        pytest.skip("gradfuse._C not built")
+    best = _ext._C.build_info()["best_cpu_capability"]
+    if request.param == "avx2" and best != "avx2":
+        pytest.skip("no AVX2 on this CPU")
+    before = _ext._C.cpu_capability()
+    _ext._C.set_cpu_capability(request.param)
+    yield request.param
+    _ext._C.set_cpu_capability(before)
