@@ -47,12 +47,16 @@ def build_info() -> dict:
 _warned: set[str] = set()
 
 
-def _has_kernel(device_type: str) -> bool:
-    if _C is None:
-        return False
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+# Looked up once: a plain dict keeps the hot path traceable by torch.compile.
+_KERNELS = {
+    device_type: _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
         "gradfuse::multi_tensor_stats", key)
+    for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def _has_kernel(device_type: str) -> bool:
+    return _KERNELS.get(device_type, False)
 
 
 def backend(device: torch.device | str) -> str:

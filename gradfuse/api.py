@@ -180,9 +180,7 @@ def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: b
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (device, _dtype), idx in _groups(grads).items():
         ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
-    s.clip_coef = clip_coef
-    s.max_norm = max_norm
-    return s
+    return GradStats(s.names, s._floats, s._counts, norm_type, s.total_norm, clip_coef, max_norm)
 
 
 @torch.no_grad()

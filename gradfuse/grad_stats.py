@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import math
-from functools import cached_property
-
 import torch
 
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
+
+def _derived(fn):
+    """A property computed once per object. (functools.cached_property takes a lock that
+    torch.compile cannot trace.)"""
+    name = fn.__name__
+
+    def get(self):
+        if name not in self._derived:
+            self._derived[name] = fn(self)
+        return self._derived[name]
+
+    return property(get, doc=fn.__doc__)
+
 
 PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "zero_count",
                     "zero_fraction")
@@ -41,48 +52,49 @@ class GradStats:
         self._floats = floats  # [n, 4] float64, columns as in gradfuse.reference
         self._counts = counts  # [n, 4] int64
         self._host_cache: dict | None = None
+        self._derived: dict = {}
 
     def __len__(self) -> int:
         return len(self.names)
 
     # Per-parameter statistics, derived lazily from the fused results (small device ops).
-    @cached_property
+    @_derived
     def numel(self) -> torch.Tensor:
         return self._counts[:, NUMEL]
 
-    @cached_property
+    @_derived
     def l2(self) -> torch.Tensor:
         return self._floats[:, SUMSQ].sqrt()
 
-    @cached_property
+    @_derived
     def linf(self) -> torch.Tensor:
         return self._floats[:, MAXABS]
 
-    @cached_property
+    @_derived
     def mean(self) -> torch.Tensor:
         return self._floats[:, SUM] / self.numel.clamp(min=1)
 
-    @cached_property
+    @_derived
     def nan_count(self) -> torch.Tensor:
         return self._counts[:, NAN]
 
-    @cached_property
+    @_derived
     def inf_count(self) -> torch.Tensor:
         return self._counts[:, INF]
 
-    @cached_property
+    @_derived
     def zero_count(self) -> torch.Tensor:
         return self._counts[:, ZERO]
 
-    @cached_property
+    @_derived
     def zero_fraction(self) -> torch.Tensor:
         return self.zero_count / self.numel.clamp(min=1)
 
-    @cached_property
+    @_derived
     def nonfinite(self) -> torch.Tensor:
         return (self._counts[:, NAN] + self._counts[:, INF]).sum() > 0
 
-    @cached_property
+    @_derived
     def clipped(self) -> torch.Tensor | None:
         if self.clip_coef is None:
             return None
