@@ -169,18 +169,24 @@ def _raise_nonfinite(s: GradStats) -> None:
         "non-finite norm anyway, set `error_if_nonfinite=False`." + detail)
 
 
-def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> GradStats:
-    s = _fused_stats(names, grads, norm_type)
+def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float) -> GradStats:
+    """Scales ``grads`` (those ``s`` was taken of) so their total norm is at most ``max_norm``;
+    returns ``s`` with ``clip_coef`` set. The scale pass runs only where the coefficient is < 1."""
     if not grads:
         return s
-    total = s.total_norm
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
-        _raise_nonfinite(s)
     # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    clip_coef = torch.clamp(max_norm / (s.total_norm + 1e-6), max=1.0)
     for (device, _dtype), idx in _groups(grads).items():
         ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
-    return GradStats(s.names, s._floats, s._counts, norm_type, s.total_norm, clip_coef, max_norm)
+    return GradStats(s.names, s._floats, s._counts, s.norm_type, s.total_norm, clip_coef, max_norm)
+
+
+def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> GradStats:
+    s = _fused_stats(names, grads, norm_type)
+    total = s.total_norm
+    if grads and error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
+        _raise_nonfinite(s)
+    return _scale_to_max_norm(s, grads, max_norm)
 
 
 @torch.no_grad()

@@ -157,6 +157,31 @@ class GradStats:
             "params": params,
         }
 
+    def layers(self, depth: int = 2) -> dict[str, dict]:
+        """Statistics aggregated by module prefix of ``depth`` name parts (``layers.3`` for
+        ``layers.3.attn.weight`` at depth 2), from the fused per-parameter results (no new pass):
+        l2 of the concatenated gradients, max linf, summed counts, overall mean and zero fraction."""
+        out: dict[str, dict] = {}
+        for name, r in self.to_dict()["params"].items():
+            key = layer_of(name, depth)
+            agg = out.setdefault(key, {"numel": 0, "sumsq": 0.0, "linf": 0.0, "sum": 0.0,
+                                       "nan_count": 0, "inf_count": 0, "zero_count": 0,
+                                       "params": 0})
+            agg["numel"] += r["numel"]
+            agg["sumsq"] += r["l2"] ** 2
+            agg["linf"] = r["linf"] if math.isnan(r["linf"]) or r["linf"] > agg["linf"] else agg["linf"]
+            agg["sum"] += r["mean"] * r["numel"]
+            agg["nan_count"] += r["nan_count"]
+            agg["inf_count"] += r["inf_count"]
+            agg["zero_count"] += r["zero_count"]
+            agg["params"] += 1
+        for agg in out.values():
+            n = max(agg["numel"], 1)
+            agg["l2"] = math.sqrt(agg.pop("sumsq"))
+            agg["mean"] = agg.pop("sum") / n
+            agg["zero_fraction"] = agg["zero_count"] / n
+        return out
+
     def nonfinite_names(self) -> list[str]:
         """Names of the parameters whose gradient holds a NaN or an Inf."""
         return [name for name, row in zip(self.names, self._host()["rows"]) if row[5] or row[6]]
@@ -191,6 +216,13 @@ class GradStats:
     def __repr__(self) -> str:
         return (f"GradStats({len(self.names)} parameters, norm_type={self.norm_type}, "
                 f"device={self._floats.device})")
+
+
+def layer_of(name: str, depth: int) -> str:
+    """The module prefix of a parameter name: its first ``depth`` dotted parts, leaving out the
+    parameter's own name (``layers.3.attn.weight`` -> ``layers.3`` at depth 2)."""
+    parts = name.split(".")[:-1] or [name]
+    return ".".join(parts[:max(depth, 1)])
 
 
 def _sort_key(v: float):

@@ -1,0 +1,95 @@
+"""Gradient-flow pictures from a JSONL log written by GradMonitor (matplotlib, optional)."""
+from __future__ import annotations
+
+import os
+
+from gradfuse.sinks import _require, read_jsonl
+
+
+def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike) -> str:
+    """Draws per-layer L2 norm over steps (log colour), the total norm with the clip threshold
+    and markers where steps were clipped, skipped or non-finite, and per-layer zero fraction
+    (dead units). Returns the path written."""
+    matplotlib = _require("matplotlib", "matplotlib", "plot_gradflow")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    import numpy as np
+
+    records = read_jsonl(jsonl_path)
+    if not records:
+        raise ValueError(f"gradfuse plot: no records in {jsonl_path}")
+    # Events re-log a step already logged; keep one record per step, the last.
+    by_step = {}
+    for r in records:
+        by_step[r["step"]] = r
+    records = [by_step[k] for k in sorted(by_step)]
+    steps = np.array([r["step"] for r in records])
+    layers = list(dict.fromkeys(name for r in records for name in r["layers"]))
+
+    def grid(key):
+        g = np.full((len(layers), len(records)), np.nan)
+        for j, r in enumerate(records):
+            for i, name in enumerate(layers):
+                if name in r["layers"]:
+                    g[i, j] = r["layers"][name][key]
+        return g
+
+    l2 = grid("l2")
+    zero = grid("zero_fraction")
+    # A second, narrow column holds the colour bars, so all three panels share one x extent.
+    fig, grid_axes = plt.subplots(
+        3, 2, figsize=(11, 4 + 0.28 * len(layers) * 2 + 3), sharex="col",
+        gridspec_kw={"height_ratios": [max(len(layers), 3), 3, max(len(layers), 3)],
+                     "width_ratios": [50, 1]})
+    axes, bars = grid_axes[:, 0], grid_axes[:, 1]
+    bars[1].set_visible(False)
+    ax = axes[0]
+    positive = l2[np.isfinite(l2) & (l2 > 0)]
+    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    # Logged steps need not be evenly spaced (anomalies are logged when they happen): cells span
+    # from midpoint to midpoint, so every panel shares the step axis.
+    if len(steps) > 1:
+        mid = (steps[1:] + steps[:-1]) / 2
+        x_edges = np.concatenate([[steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]])
+    else:
+        x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    y_edges = np.arange(len(layers) + 1) - 0.5
+    im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(l2 > 0, l2, np.nan)),
+                       norm=norm, cmap="viridis")
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title("gradient L2 norm per layer (log colour; white: zero or non-finite)")
+    fig.colorbar(im, cax=bars[0])
+
+    ax = axes[1]
+    total = np.array([r["total_norm"] if r["total_norm"] is not None else np.nan for r in records], float)
+    ax.semilogy(steps, np.where(np.isfinite(total) & (total > 0), total, np.nan), lw=1, color="k",
+                label="total norm")
+    max_norm = next((r["max_norm"] for r in records if r.get("max_norm") is not None), None)
+    if max_norm:
+        ax.axhline(max_norm, color="tab:orange", ls="--", lw=1, label=f"clip threshold {max_norm:g}")
+    finite_top = np.nanmax(np.where(np.isfinite(total), total, np.nan)) if np.isfinite(total).any() else 1.0
+    marks = [("clipped", lambda r: bool(r.get("clipped")), "tab:orange", "v"),
+             ("skipped", lambda r: bool(r.get("skipped")), "tab:purple", "x"),
+             ("non-finite", lambda r: bool(r.get("nonfinite")), "tab:red", "o")]
+    for row, (label, pred, color, marker) in enumerate(marks):  # one height per kind of marker
+        xs = [r["step"] for r in records if pred(r)]
+        if xs:
+            ax.scatter(xs, [finite_top * 4 ** (row + 1)] * len(xs), color=color, marker=marker, s=25,
+                       label=f"{label} ({len(xs)})", zorder=3)
+    ax.set_ylabel("total norm")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=5, frameon=False)
+    ax.grid(True, which="both", alpha=0.2)
+
+    ax = axes[2]
+    im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(zero), vmin=0, vmax=1, cmap="magma")
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title("fraction of exactly-zero gradients per layer (dead units)")
+    ax.set_xlabel("step")
+    fig.colorbar(im, cax=bars[2])
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return os.fspath(out_path)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: sets up a fresh machine (scripts/setup.sh), then runs the test suite,
+# including an untimed smoke run of every benchmark. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest tests "$@"
