@@ -100,9 +100,8 @@ def write_build_config(torch, use_cuda, archs):
 
 def extensions():
     import torch
-    from packaging.version import Version
 
-    if Version(torch.__version__).release[:2] < MIN_TORCH:
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
         raise SystemExit(f"[gradfuse setup] torch >= {'.'.join(map(str, MIN_TORCH))} is required, "
                          f"found {torch.__version__}")
     use_cuda, cuda_home, reason = decide_cuda(torch)

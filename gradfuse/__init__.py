@@ -7,8 +7,13 @@ only when needed, decided on the device.
 from gradfuse._ext import backend, build_info
 from gradfuse.api import clip_, clip_grad_norm_, stats, tensor_stats
 from gradfuse.grad_stats import GradStats
+from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
+from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
+                            WandbSink)
 
 __version__ = "0.1.0"
 
-__all__ = ["GradStats", "backend", "build_info", "clip_", "clip_grad_norm_", "stats",
-           "tensor_stats", "__version__"]
+__all__ = ["GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
+           "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink",
+           "backend", "build_info", "clip_", "clip_grad_norm_", "stats", "tensor_stats",
+           "__version__"]

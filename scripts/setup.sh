@@ -9,7 +9,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 echo "[setup] installing requirements-dev.txt (torch 2.14.1 is several GB the first time)"
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# (this machine's pip config names local mirrors that may be absent; their warnings are noise)
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
+  2> >(grep -v "^WARNING: Location 'file:" >&2)
 echo "[setup] building gradfuse._C (a few minutes the first time; MAX_JOBS=${MAX_JOBS:-auto})"
 mkdir -p build
 if ! .venv/bin/python setup.py build_ext --inplace > build/setup.log 2>&1; then

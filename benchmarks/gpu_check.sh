@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a GPU machine with no network (the device tool's, or yours):
+#   bash benchmarks/gpu_check.sh
+# builds gradfuse against that machine's torch, runs the CUDA tests, runs the CUDA benchmark
+# (GPT-2 small and 10 000 small tensors in fp32 and bf16, plus an 8 GB set), with the copy and
+# read bandwidth measured in the same run, and prints a short table last. Full logs go to $OUT
+# when it is set (the device tool), else build/gpu_check/. Budget: under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGS=${OUT:-build/gpu_check}
+mkdir -p "$LOGS"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+t0=$(date +%s)
+stamp() { echo "=== $1 (t+$(( $(date +%s) - t0 ))s)"; }
+
+stamp "build against $($PY -c 'import torch; print(torch.__version__)')"
+if ! GRADFUSE_CUDA=1 GRADFUSE_PTXAS_VERBOSE=1 $PY setup.py build_ext --inplace > "$LOGS/build.log" 2>&1; then
+  tail -n 40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
+fi
+grep "^\[gradfuse setup\]" "$LOGS/build.log"
+grep -A1 "spill" "$LOGS/build.log" | grep -v "0 bytes spill stores, 0 bytes spill loads" | grep -i "spill" | head -5
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
+$PY -m gradfuse info
+
+stamp "CUDA tests"
+timeout 240 $PY -m pytest tests -q -p no:cacheprovider -k "cuda" -x 2>&1 | tee "$LOGS/tests.log" | tail -n 15
+tests_rc=${PIPESTATUS[0]}
+
+stamp "CUDA benchmark"
+timeout 240 $PY -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
+  --bench-device cuda --bench-size gpu --bench-workloads gpt2_small,many_small,few_large \
+  --bench-dtypes float32,bfloat16 \
+  --bench-methods torch_clip_foreach,hook_loop,torch_foreach_stats,gradfuse_stats,gradfuse_clip_noclip,gradfuse_clip_clipping,memory_read,memory_copy \
+  --benchmark-json "$LOGS/bench.json" > "$LOGS/bench.log" 2>&1
+bench_rc=$?
+tail -n 5 "$LOGS/bench.log"
+
+stamp "summary"
+$PY benchmarks/summarize.py "$LOGS/bench.json" -o "$LOGS/table.md" --png "$LOGS/chart.png" && cat "$LOGS/table.md"
+echo "tests exit $tests_rc, benchmark exit $bench_rc, $(( $(date +%s) - t0 ))s in all"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

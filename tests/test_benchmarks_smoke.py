@@ -1,0 +1,40 @@
+"""Every benchmark runs on tiny sizes (untimed) so the suite cannot rot; the summary reads a
+tiny run's JSON."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args):
+    cmd = [sys.executable, "-m", "pytest", "benchmarks", "--bench-size", "smoke", "-q",
+           "-p", "no:cacheprovider", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_every_benchmark_runs_untimed():
+    out = run_bench("--benchmark-disable")
+    assert " passed" in out and "failed" not in out
+
+
+def test_summary_table_and_chart(tmp_path):
+    js = tmp_path / "bench.json"
+    run_bench("--benchmark-only", f"--benchmark-json={js}", "--bench-workloads", "many_small",
+              "--bench-dtypes", "float32", "--benchmark-warmup=off")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import summarize
+    finally:
+        sys.path.pop(0)
+    png = tmp_path / "chart.png"
+    md_path = tmp_path / "table.md"
+    assert summarize.main([str(js), "-o", str(md_path), "--png", str(png)]) == 0
+    md = md_path.read_text()
+    assert "**many_small, float32** (200 tensors" in md
+    for name in ("gradfuse_stats", "gradfuse_clip_clipping", "torch_clip_foreach", "hook_loop",
+                 "torch_foreach_stats", "memory_read", "memory_copy"):
+        assert f"| {name} |" in md
+    assert png.read_bytes()[:4] == b"\x89PNG"

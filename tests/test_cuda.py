@@ -1,0 +1,140 @@
+"""CUDA-only checks (skipped without a GPU): graph capture, no host sync, > 2^31 elements,
+20 000 tensors, streams, agreement with the CPU backend, bitwise repeatability."""
+import math
+
+import pytest
+import torch
+
+import gradfuse
+from gradfuse import _ext, ops
+from helpers import assert_stats_close
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _ext._has_kernel("cuda"), reason="gradfuse._C built without CUDA"),
+]
+CHUNK = 65536
+
+
+def params_with_grads(sizes, dtype=torch.float32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype, device="cuda"))
+        p.grad = torch.randn(n, generator=g, dtype=dtype, device="cuda")
+        out.append(p)
+    return out
+
+
+def test_backend_is_cuda():
+    assert gradfuse.backend("cuda") == "cuda"
+
+
+def test_no_host_sync_in_stats_clip_and_clip_grad_norm():
+    params = params_with_grads([1000, 0, 3 * CHUNK + 5, 7])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gradfuse.stats(params)
+        s = gradfuse.clip_(params, max_norm=0.1)
+        s.l2, s.mean, s.zero_fraction, s.nonfinite, s.clipped  # derived on the device
+        gradfuse.clip_grad_norm_(params, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_graph_capture_and_replay_with_changing_gradients():
+    params = params_with_grads([5000, 70000, 3])
+    grads = [p.grad for p in params]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside the graph, as capture requires
+        for _ in range(2):
+            gradfuse.clip_(params, max_norm=1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gradfuse.clip_(params, max_norm=1.0)
+        captured = (out.total_norm, out.l2, out.clip_coef)
+    for scale in (0.001, 10.0, 3.0):
+        fresh = [torch.randn_like(g) * scale for g in grads]
+        for g, f in zip(grads, fresh):
+            g.copy_(f)
+        graph.replay()
+        expect_total = torch.linalg.vector_norm(torch.cat([f.double() for f in fresh]))
+        torch.testing.assert_close(captured[0].double(), expect_total, rtol=1e-5, atol=0)
+        coef = min(1.0, 1.0 / (expect_total.item() + 1e-6))
+        for g, f in zip(grads, fresh):
+            torch.testing.assert_close(g, f * coef, rtol=1e-5, atol=1e-7)
+
+
+def test_matches_cpu_backend_and_is_bitwise_repeatable():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        tensors = [t.grad for t in params_with_grads([CHUNK * 3 + 11, 1, 0, 4099], dtype)]
+        tensors[0][CHUNK + 1] = math.nan
+        tensors[3][5] = -math.inf
+        first = ops.multi_tensor_stats(tensors, 2.0)
+        for _ in range(3):
+            again = ops.multi_tensor_stats(tensors, 2.0)
+            assert torch.equal(first[0].nan_to_num(), again[0].nan_to_num())
+            assert torch.equal(first[1], again[1])
+        cpu = ops.multi_tensor_stats([t.cpu() for t in tensors], 2.0)
+        torch.testing.assert_close(first[1].cpu(), cpu[1], rtol=0, atol=0)
+        torch.testing.assert_close(first[0].cpu(), cpu[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert_stats_close(tensors, first)
+
+
+def test_twenty_thousand_tensors():
+    sizes = [(i * 37) % 3000 for i in range(20_000)]
+    params = params_with_grads(sizes)
+    s = gradfuse.stats(params)
+    expect = torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params])
+    torch.testing.assert_close(s.l2, expect, rtol=1e-5, atol=1e-12)
+    gradfuse.clip_(params, max_norm=1.0)
+    torch.testing.assert_close(gradfuse.stats(params).total_norm.double(),
+                               torch.tensor(1.0, dtype=torch.float64, device="cuda"), rtol=1e-4, atol=0)
+
+
+def test_views_with_odd_offsets_and_mixed_dtypes():
+    # (test_clip.py::test_mixed_dtypes compares mixed dtypes with torch on cuda as well.)
+    base = torch.randn(CHUNK * 2 + 100, device="cuda")
+    views = [base[1:], base[3:CHUNK + 8], base[5:6]]
+    assert_stats_close(views, ops.multi_tensor_stats(views, 2.0))
+    mixed = params_with_grads([300, 5000], torch.bfloat16) + params_with_grads([77, 9], torch.float32)
+    s = gradfuse.clip_(mixed, 0.01)
+    assert s.total_norm.dtype == torch.float32 and bool(s.clipped)
+    after = gradfuse.stats(mixed).total_norm
+    torch.testing.assert_close(after, torch.tensor(0.01, device="cuda"), rtol=2e-2, atol=0)
+
+
+def test_two_streams():
+    a = params_with_grads([CHUNK * 4], seed=1)
+    b = params_with_grads([CHUNK * 4], seed=2)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        ra = gradfuse.stats(a).total_norm
+    with torch.cuda.stream(s2):
+        rb = gradfuse.stats(b).total_norm
+    torch.cuda.synchronize()
+    torch.testing.assert_close(ra.double(), torch.linalg.vector_norm(a[0].grad.double()), rtol=1e-5, atol=0)
+    torch.testing.assert_close(rb.double(), torch.linalg.vector_norm(b[0].grad.double()), rtol=1e-5, atol=0)
+
+
+def test_more_than_2_pow_31_elements_bf16():
+    free, _ = torch.cuda.mem_get_info()
+    n = 2**31 + 2**20 + 3
+    if free < 3 * n * 2:
+        pytest.skip("needs about 13 GB of free GPU memory")
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    x[-1] = 2.0
+    x[2**31 + 5] = math.nan
+    x[5] = 0.0
+    f, c = ops.multi_tensor_stats([x], 2.0)
+    assert c[0].tolist() == [1, 0, 1, n]
+    x[2**31 + 5] = 1.0
+    f, c = ops.multi_tensor_stats([x], 2.0)
+    assert f[0, 1].item() == pytest.approx(n - 1 - 1 + 4, rel=1e-6)
+    assert f[0, 2].item() == 2.0
+    ops.multi_tensor_scale_([x], torch.tensor(0.5, device="cuda"))
+    assert x[-1].item() == 1.0 and x[2**31 + 6].item() == 0.5
