@@ -124,16 +124,20 @@ def extensions():
 
     debug = os.environ.get("DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
+    # -fopenmp: at::parallel_for is a header template that expands to `#pragma omp parallel` in
+    # our own objects; without the flag it silently runs on one thread.
+    cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi", "-fopenmp"]
+    link = ["-fopenmp"]
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]
     if not use_cuda:
-        return [CppExtension("gradfuse._C", sources, extra_compile_args={"cxx": cxx})]
+        return [CppExtension("gradfuse._C", sources, extra_compile_args={"cxx": cxx},
+                             extra_link_args=link)]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
     nvcc = opt + ["-lineinfo", "--Werror", "all-warnings"] if not debug else opt
     if os.environ.get("GRADFUSE_PTXAS_VERBOSE") == "1":
         nvcc += ["-Xptxas", "-v"]
-    return [CUDAExtension("gradfuse._C", sources,
+    return [CUDAExtension("gradfuse._C", sources, extra_link_args=link,
                           extra_compile_args={"cxx": cxx + ["-DGRADFUSE_WITH_CUDA"], "nvcc": nvcc})]
 
 
