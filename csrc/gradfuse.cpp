@@ -13,9 +13,10 @@ TORCH_LIBRARY(gradfuse, m) {
   // sum |x|^norm_type when norm_type is not 0, 2 or inf) and int64 [n, 4] (NaN, Inf and zero
   // counts, numel). One pass over the data; no host synchronisation.
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
-  // Multiplies every tensor in place by coef (a one-element tensor on the tensors' device) when
-  // coef < 1 or NaN; touches no memory otherwise. The decision is taken on the device.
-  m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
+  // Multiplies every tensor in place by coef (a one-element tensor on the tensors' device). With
+  // conditional=True (clipping) only when coef < 1 or NaN, touching no memory otherwise; the
+  // decision is taken on the device. conditional=False always multiplies (AMP unscale + clip).
+  m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

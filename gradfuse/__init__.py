@@ -5,6 +5,7 @@ mean, NaN, Inf and zero counts, and the total norm, without host synchronisation
 only when needed, decided on the device.
 """
 from gradfuse._ext import backend, build_info
+from gradfuse.amp import unscale_clip_
 from gradfuse.api import clip_, clip_grad_norm_, stats, tensor_stats
 from gradfuse.grad_stats import GradStats
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
@@ -16,4 +17,4 @@ __version__ = "0.1.0"
 __all__ = ["GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
            "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink",
            "backend", "build_info", "clip_", "clip_grad_norm_", "stats", "tensor_stats",
-           "__version__"]
+           "unscale_clip_", "__version__"]

@@ -94,5 +94,5 @@ if _C is not None:
                 tensors[0].new_empty((n, 4), dtype=torch.int64))
 
     @torch.library.register_fake("gradfuse::multi_tensor_scale_")
-    def _scale_fake(tensors, coef):
+    def _scale_fake(tensors, coef, conditional=True):
         return None

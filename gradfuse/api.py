@@ -9,9 +9,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from gradfuse import ops
+from gradfuse import distributed, ops
 from gradfuse.grad_stats import GradStats
-from gradfuse.reference import MAXABS, NUMEL, POWSUM, SUMSQ, ZERO
+from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUMSQ, ZERO
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -72,44 +72,106 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
     return groups
 
 
-def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float) -> GradStats:
-    """One fused pass per (device, dtype) group; rows of the result follow the returned names
-    (grouped: the order of ``tensors`` when there is one group)."""
-    if not tensors:
-        empty_f = torch.empty((0, 4), dtype=torch.float64)
-        return GradStats([], empty_f, torch.empty((0, 4), dtype=torch.int64), norm_type,
-                         torch.tensor(0.0))
-    first_device = tensors[0].device
-    out_names, floats, counts = [], [], []
-    for (_device, _dtype), idx in _groups(tensors).items():
-        f, c = ops.multi_tensor_stats([tensors[i] for i in idx], norm_type)
+def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
+                 group=None) -> GradStats:
+    """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
+    returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
+    reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
+    flag are reduced over that process group (see gradfuse.distributed)."""
+    locals_, layouts = tensors, [None] * len(tensors)
+    if not all(distributed.is_plain(t) for t in tensors):
+        pairs = [distributed.local_and_layout(n, t) for n, t in zip(names, tensors)]
+        locals_, layouts = [p[0] for p in pairs], [p[1] for p in pairs]
+    if not tensors and group is None:
+        return GradStats([], torch.empty((0, 4), dtype=torch.float64),
+                         torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
+    device = locals_[0].device if tensors else torch.device("cpu")
+    # Rows of one sharding layout stay adjacent, so each layout is reduced as one block.
+    layout_order: dict = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(locals_):
+        order = layout_order.setdefault(_layout_key(layouts[i]), len(layout_order))
+        groups.setdefault((order, t.device, t.dtype), []).append(i)
+    out_names, floats, counts, segments = [], [], [], []
+    row = 0
+    for key in sorted(groups, key=lambda k: k[0]):  # stable: first-seen order within a layout
+        idx = groups[key]
+        f, c = ops.multi_tensor_stats([locals_[i] for i in idx], norm_type)
         out_names += [names[i] for i in idx]
-        floats.append(f.to(first_device))
-        counts.append(c.to(first_device))
-    floats = floats[0] if len(floats) == 1 else torch.cat(floats)
-    counts = counts[0] if len(counts) == 1 else torch.cat(counts)
-    total = _total_norm(floats, counts, norm_type)
+        floats.append(f.to(device))
+        counts.append(c.to(device))
+        segments.append((layouts[idx[0]], row, row + len(idx)))
+        row += len(idx)
+    if floats:
+        floats = floats[0] if len(floats) == 1 else torch.cat(floats)
+        counts = counts[0] if len(counts) == 1 else torch.cat(counts)
+    else:  # a rank with no gradients still joins the group's collective
+        floats = torch.zeros((0, 4), dtype=torch.float64, device=device)
+        counts = torch.zeros((0, 4), dtype=torch.int64, device=device)
+    if any(layout is not None for layout, _, _ in segments):
+        floats, counts = _reduce_sharded(floats, counts, segments)
+    acc = _norm_accumulator(floats, counts, norm_type)
+    group_nonfinite = None
+    if group is not None:
+        nonfinite_count = (counts[:, NAN] + counts[:, INF]).sum()
+        acc, group_nonfinite = distributed.reduce_over_group(acc, nonfinite_count, norm_type, group)
+    total = _root(acc, norm_type)
     # The dtype clip_grad_norm_ returns: that of its stacked per-tensor norms.
-    out_dtype = tensors[0].dtype
+    out_dtype = tensors[0].dtype if tensors else torch.float32
     for t in tensors[1:]:
         out_dtype = torch.promote_types(out_dtype, t.dtype)
-    return GradStats(out_names, floats, counts, norm_type, total.to(out_dtype))
+    return GradStats(out_names, floats, counts, norm_type, total.to(out_dtype),
+                     group_nonfinite=group_nonfinite)
 
 
-def _total_norm(floats: torch.Tensor, counts: torch.Tensor, p: float) -> torch.Tensor:
-    """Norm of all gradients as one vector, from the per-tensor results, in float64."""
+def _layout_key(layout):
+    return None if layout is None else (id(layout[0]), layout[1])
+
+
+def _reduce_sharded(floats, counts, segments):
+    """Replaces the rows of sharded gradients with those of the full gradients; consecutive
+    segments of one layout (several dtypes) are reduced together."""
+    merged = []
+    for layout, a, b in segments:
+        if merged and merged[-1][0] is not None and layout is not None \
+                and _layout_key(merged[-1][0]) == _layout_key(layout):
+            merged[-1] = (layout, merged[-1][1], b)
+        else:
+            merged.append((layout, a, b))
+    f_parts, c_parts = [], []
+    for layout, a, b in merged:
+        if layout is None:
+            f_parts.append(floats[a:b])
+            c_parts.append(counts[a:b])
+        else:
+            f, c = distributed.reduce_sharded_rows(floats, counts, layout, a, b)
+            f_parts.append(f)
+            c_parts.append(c)
+    return torch.cat(f_parts), torch.cat(c_parts)
+
+
+def _norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float) -> torch.Tensor:
+    """What the total norm of order p is a root of (or the max, for inf), in float64; these
+    add (or max) across ranks."""
     if p == 2.0:
-        return floats[:, SUMSQ].sum().sqrt()
+        return floats[:, SUMSQ].sum()
     if math.isinf(p):
-        return floats[:, MAXABS].amax()  # amax propagates NaN
+        # amax propagates NaN; an empty set of rows has norm 0
+        return floats[:, MAXABS].amax() if floats.shape[0] else floats.new_zeros(())
     if p == 0.0:
         return (counts[:, NUMEL] - counts[:, ZERO]).sum().to(torch.float64)
-    if p == 1.0:
-        return floats[:, POWSUM].sum()
-    return floats[:, POWSUM].sum().pow(1.0 / p)
+    return floats[:, POWSUM].sum()
 
 
-def stats(source: Source, *, norm_type: float = 2.0) -> GradStats:
+def _root(acc: torch.Tensor, p: float) -> torch.Tensor:
+    if p == 2.0:
+        return acc.sqrt()
+    if math.isinf(p) or p in (0.0, 1.0):
+        return acc
+    return acc.pow(1.0 / p)
+
+
+def stats(source: Source, *, norm_type: float = 2.0, group=None) -> GradStats:
     """Statistics of the gradients of ``source``, in one fused pass per (device, dtype).
 
     ``source`` is an ``nn.Module``, a tensor, an iterable of parameters, or an iterable of
@@ -121,10 +183,14 @@ def stats(source: Source, *, norm_type: float = 2.0) -> GradStats:
         s = gradfuse.stats(model)
         if s.nonfinite:          # a 0-d tensor: this line syncs, the stats did not
             print(s.nonfinite_names())
+
+    DTensor gradients (FSDP2, tensor parallel) give the statistics of the full gradients. With
+    ``group`` (a process group of ranks holding different parameters, e.g. pipeline stages) the
+    total norm and ``nonfinite`` cover the group, and the rows this rank's parameters.
     """
     p = _check_norm_type(norm_type)
     names, _params, grads = _named_grads(source)
-    return _fused_stats(names, grads, p)
+    return _fused_stats(names, grads, p, group)
 
 
 def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torch.Tensor], *,
@@ -172,17 +238,18 @@ def _raise_nonfinite(s: GradStats) -> None:
 def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float) -> GradStats:
     """Scales ``grads`` (those ``s`` was taken of) so their total norm is at most ``max_norm``;
     returns ``s`` with ``clip_coef`` set. The scale pass runs only where the coefficient is < 1."""
-    if not grads:
-        return s
     # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
+    # (A rank without gradients still gets the group's coefficient.)
     clip_coef = torch.clamp(max_norm / (s.total_norm + 1e-6), max=1.0)
     for (device, _dtype), idx in _groups(grads).items():
         ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
-    return GradStats(s.names, s._floats, s._counts, s.norm_type, s.total_norm, clip_coef, max_norm)
+    return s._replace(clip_coef=clip_coef, max_norm=max_norm)
 
 
-def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> GradStats:
-    s = _fused_stats(names, grads, norm_type)
+def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+          group=None) -> GradStats:
+    s = _fused_stats(names, grads, norm_type, group)
+    grads = [distributed.local_tensor(g) for g in grads]  # DTensor: scale this rank's shard
     total = s.total_norm
     if grads and error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
         _raise_nonfinite(s)
@@ -216,7 +283,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
 
 @torch.no_grad()
 def clip_(source: Source, max_norm: float, norm_type: float = 2.0,
-          error_if_nonfinite: bool = False) -> GradStats:
+          error_if_nonfinite: bool = False, *, group=None) -> GradStats:
     """Clip the gradients of ``source`` by total norm in place, like ``clip_grad_norm_``, and
     return their statistics from before clipping, with ``clip_coef`` and ``clipped``.
 
@@ -231,4 +298,4 @@ def clip_(source: Source, max_norm: float, norm_type: float = 2.0,
     max_norm = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
     names, _params, grads = _named_grads(source)
-    return _clip(names, grads, max_norm, p, error_if_nonfinite)
+    return _clip(names, grads, max_norm, p, error_if_nonfinite, group)

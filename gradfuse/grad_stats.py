@@ -43,8 +43,13 @@ class GradStats:
 
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
                  norm_type: float, total_norm: torch.Tensor,
-                 clip_coef: torch.Tensor | None = None, max_norm: float | None = None):
+                 clip_coef: torch.Tensor | None = None, max_norm: float | None = None,
+                 group_nonfinite: torch.Tensor | None = None):
         self.names = names
+        # With group= (pipeline stages): rows are this rank's parameters, while total_norm and
+        # nonfinite cover the whole group.
+        self.scope = "rank" if group_nonfinite is not None else "all"
+        self._group_nonfinite = group_nonfinite
         self.norm_type = norm_type
         self.total_norm = total_norm
         self.clip_coef = clip_coef
@@ -53,6 +58,14 @@ class GradStats:
         self._counts = counts  # [n, 4] int64
         self._host_cache: dict | None = None
         self._derived: dict = {}
+
+    def _replace(self, **changes) -> "GradStats":
+        """A copy with some constructor arguments changed (the derived values are recomputed)."""
+        args = dict(names=self.names, floats=self._floats, counts=self._counts,
+                    norm_type=self.norm_type, total_norm=self.total_norm, clip_coef=self.clip_coef,
+                    max_norm=self.max_norm, group_nonfinite=self._group_nonfinite)
+        args.update(changes)
+        return GradStats(**args)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -92,6 +105,8 @@ class GradStats:
 
     @_derived
     def nonfinite(self) -> torch.Tensor:
+        if self._group_nonfinite is not None:
+            return self._group_nonfinite
         return (self._counts[:, NAN] + self._counts[:, INF]).sum() > 0
 
     @_derived
@@ -120,7 +135,8 @@ class GradStats:
         if self._host_cache is None:
             n = len(self.names)
             dev = self._floats.device
-            scalars = [self.total_norm.to(dev, torch.float64).reshape(1)]
+            scalars = [self.total_norm.to(dev, torch.float64).reshape(1),
+                       self.nonfinite.to(dev, torch.float64).reshape(1)]
             if self.clip_coef is not None:
                 scalars.append(self.clip_coef.to(dev, torch.float64).reshape(1))
             cols = [self.l2, self.linf, self.mean, self.zero_fraction,
@@ -132,7 +148,8 @@ class GradStats:
             self._host_cache = {
                 "rows": rows,
                 "total_norm": tail[0],
-                "clip_coef": tail[1] if self.clip_coef is not None else None,
+                "nonfinite": bool(tail[1]),
+                "clip_coef": tail[2] if self.clip_coef is not None else None,
             }
         return self._host_cache
 
@@ -150,7 +167,8 @@ class GradStats:
         return {
             "total_norm": h["total_norm"],
             "norm_type": self.norm_type,
-            "nonfinite": any(p["nan_count"] or p["inf_count"] for p in params.values()),
+            "nonfinite": h["nonfinite"],
+            "scope": self.scope,
             "clip_coef": coef,
             "clipped": None if coef is None else not (coef >= 1),
             "max_norm": self.max_norm,

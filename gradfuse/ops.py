@@ -18,9 +18,11 @@ def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float = 2.0):
     return torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type))
 
 
-def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor,
+                        conditional: bool = True) -> None:
     """Multiplies every tensor of one (device, dtype) group in place by ``coef`` (a one-element
-    tensor on their device) when ``coef < 1`` or NaN; reads and writes nothing otherwise."""
+    tensor on their device). ``conditional``: only when ``coef < 1`` or NaN, reading and writing
+    nothing otherwise; else always."""
     if not tensors or not _ext.use_compiled(tensors[0].device):
-        return reference.multi_tensor_scale_(tensors, coef)
-    torch.ops.gradfuse.multi_tensor_scale_(tensors, coef)
+        return reference.multi_tensor_scale_(tensors, coef, conditional)
+    torch.ops.gradfuse.multi_tensor_scale_(tensors, coef, conditional)

@@ -35,8 +35,10 @@ def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float):
     return torch.stack(rows_f), torch.stack(rows_c).to(torch.int64)
 
 
-def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor,
+                        conditional: bool = True) -> None:
     if len(tensors) == 0:
         return
+    coef = coef.reshape(()).to(tensors[0].device)
     # min(coef, 1) is exact when no scaling is needed, and needs no host decision.
-    torch._foreach_mul_(tensors, torch.clamp(coef.reshape(()), max=1.0).to(tensors[0].device))
+    torch._foreach_mul_(tensors, torch.clamp(coef, max=1.0) if conditional else coef)

@@ -95,13 +95,13 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
   return {out_f, out_c};
 }
 
-void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
+void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
   check_group(tensors, "gradfuse.multi_tensor_scale_", c10::DeviceType::CPU);
   TORCH_CHECK(coef.numel() == 1 && coef.device().is_cpu(),
               "gradfuse.multi_tensor_scale_: coef must be a one-element CPU tensor, got shape ",
               coef.sizes(), " on ", coef.device());
   const double c = coef.item<double>();
-  if (tensors.empty() || !needs_scaling(c)) return;  // no memory traffic when nothing to do
+  if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
 
   // Views that are not one dense block are scaled with ATen, in place, where they live.
   std::vector<at::Tensor> dense;

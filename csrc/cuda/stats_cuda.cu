@@ -157,11 +157,12 @@ finalize_kernel(const __grid_constant__ LaunchTable table, int64_t tensor_base,
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kStatsThreads)
-scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* __restrict__ coef_ptr) {
+scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* __restrict__ coef_ptr,
+             bool conditional) {
   using acc_t = acc_of<scalar_t>;
   using P = Pack<scalar_t>;
   const acc_t coef = *coef_ptr;
-  if (!needs_scaling(coef)) return;  // decided on the device: no traffic on unclipped steps
+  if (conditional && !needs_scaling(coef)) return;  // decided on the device: no traffic on unclipped steps
   const ChunkRef ref = locate_chunk(table);
   scalar_t* __restrict__ x = static_cast<scalar_t*>(table.data[ref.tensor]) + ref.offset;
   int64_t i = 0;
@@ -226,12 +227,12 @@ void launch_stats(const std::vector<at::Tensor>& dense, const ChunkPlan& plan, P
 
 template <typename scalar_t>
 void launch_scale(const std::vector<at::Tensor>& dense, const ChunkPlan& plan,
-                  const at::Tensor& coef, cudaStream_t stream) {
+                  const at::Tensor& coef, bool conditional, cudaStream_t stream) {
   using acc_t = acc_of<scalar_t>;
   for_each_table(dense, plan, [&](const LaunchTable& table, int64_t, int64_t chunks) {
     if (chunks == 0) return;
     scale_kernel<scalar_t><<<static_cast<unsigned>(chunks), kStatsThreads, 0, stream>>>(
-        table, coef.data_ptr<acc_t>());
+        table, coef.data_ptr<acc_t>(), conditional);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -271,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cuda(at::TensorList tensor
   return {out_f, out_c};
 }
 
-void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
+void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
   check_group(tensors, "gradfuse.multi_tensor_scale_", c10::DeviceType::CUDA);
   if (tensors.empty()) return;
   TORCH_CHECK(coef.numel() == 1 && coef.device() == tensors[0].device(),
@@ -286,13 +287,15 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
       dense.push_back(t);
     } else {
       // Deciding would need the host; multiplying by min(coef, 1) is exact when coef >= 1.
-      t.mul_(at::clamp_max(coef_acc, 1.0).to(dtype));
+      t.mul_((conditional ? at::clamp_max(coef_acc, 1.0) : coef_acc).to(dtype));
     }
   }
   if (dense.empty()) return;
   const ChunkPlan plan = make_chunk_plan(numels_of(dense));
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  dispatch_float(dtype, [&](auto tag) { launch_scale<decltype(tag)>(dense, plan, coef_acc, stream); });
+  dispatch_float(dtype, [&](auto tag) {
+    launch_scale<decltype(tag)>(dense, plan, coef_acc, conditional, stream);
+  });
 }
 
 }  // namespace

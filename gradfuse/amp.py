@@ -1,0 +1,101 @@
+"""AMP: GradScaler's unscale, the statistics and clipping in one read and one write.
+
+The usual order reads and writes the gradients twice (``scaler.unscale_`` then clipping) and
+reads them once more for statistics. ``unscale_clip_`` takes the statistics of the scaled
+gradients in one pass, derives the unscaled ones from them (norms and sums scale linearly,
+counts do not change), and multiplies each gradient once by ``inv_scale * clip_coef``. It
+then records in the scaler what ``scaler.unscale_`` would have (found_inf per device, stage
+UNSCALED), so ``scaler.step(optimizer)`` and ``scaler.update()`` work as usual: a step whose
+gradients hold Inf/NaN is skipped by the scaler and lowers its scale.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradfuse import ops
+from gradfuse.api import _check_max_norm, _check_norm_type, _fused_stats, _groups
+from gradfuse.grad_stats import GradStats
+
+
+def _optimizer_state(scaler, optimizer) -> dict:
+    from torch.amp.grad_scaler import OptState
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        raise RuntimeError("gradfuse.unscale_clip_: unscale_() has already been called on this "
+                           "optimizer since the last update(); call one or the other, not both.")
+    if state["stage"] is OptState.STEPPED:
+        raise RuntimeError("gradfuse.unscale_clip_: called after scaler.step(); call it before.")
+    return state
+
+
+def optimizer_named_grads(optimizer, names_by_param: dict | None = None):
+    """(names, gradients) of the optimizer's parameters that have one; names from
+    ``names_by_param`` (id(param) -> name) where given, else ``group{g}.{i}``."""
+    names, grads = [], []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            names.append((names_by_param or {}).get(id(p), f"group{g}.{i}"))
+            grads.append(p.grad)
+    return names, grads
+
+
+def unscaled_stats(names, grads, scaler, norm_type: float) -> tuple[GradStats, torch.Tensor]:
+    """Statistics of ``grads / scale`` from one pass over the scaled ``grads``; and inv_scale."""
+    s = _fused_stats(names, grads, norm_type)
+    dev = s._floats.device
+    inv = scaler._scale.double().reciprocal().to(dev)  # float64 here; torch unscales in float32
+    one = torch.ones((), dtype=torch.float64, device=dev)
+    p = norm_type
+    pow_factor = inv.pow(p) if p not in (0.0, 2.0) and not math.isinf(p) else one
+    factors = torch.stack([inv, inv * inv, inv, pow_factor])  # columns SUM, SUMSQ, MAXABS, POWSUM
+    total = s.total_norm if p == 0.0 else (s.total_norm.double() * inv).to(s.total_norm.dtype)
+    return s._replace(floats=s._floats * factors, total_norm=total), inv
+
+
+def finish_unscale_(scaler, optimizer, grads, s: GradStats, inv_scale: torch.Tensor,
+                    max_norm: float | None) -> GradStats:
+    """Multiplies ``grads`` once by inv_scale (times the clip coefficient when ``max_norm`` is
+    set) and records the unscale in the scaler. Returns ``s`` with ``clip_coef`` when clipping."""
+    from torch.amp.grad_scaler import OptState
+    state = _optimizer_state(scaler, optimizer)
+    coef = inv_scale.float()
+    if max_norm is not None:
+        clip_coef = torch.clamp(max_norm / (s.total_norm + 1e-6), max=1.0)
+        coef = coef * clip_coef.float()
+        s = s._replace(clip_coef=clip_coef, max_norm=max_norm)
+    found_inf = s.nonfinite.to(torch.float32)
+    per_device = {}
+    for (device, _dtype), idx in _groups(grads).items():
+        ops.multi_tensor_scale_([grads[i] for i in idx], coef.to(device), conditional=False)
+        per_device.setdefault(device, found_inf.to(device))
+    state["found_inf_per_device"] = per_device
+    state["stage"] = OptState.UNSCALED
+    return s
+
+
+@torch.no_grad()
+def unscale_clip_(optimizer: torch.optim.Optimizer, scaler, max_norm: float | None = None,
+                  norm_type: float = 2.0, names_by_param: dict | None = None) -> GradStats:
+    """``scaler.unscale_(optimizer)``, statistics and (with ``max_norm``) clipping, fused: one
+    read and one write of the gradients. Returns the statistics of the unscaled gradients, from
+    before clipping. Then call ``scaler.step(optimizer)`` and ``scaler.update()`` as usual::
+
+        scaler.scale(loss).backward()
+        s = gradfuse.unscale_clip_(optimizer, scaler, max_norm=1.0)
+        scaler.step(optimizer)
+        scaler.update()
+    """
+    p = _check_norm_type(norm_type)
+    max_norm = None if max_norm is None else _check_max_norm(max_norm)
+    names, grads = optimizer_named_grads(optimizer, names_by_param)
+    if not scaler.is_enabled():
+        from gradfuse.api import _scale_to_max_norm
+        s = _fused_stats(names, grads, p)
+        return s if max_norm is None else _scale_to_max_norm(s, grads, max_norm)
+    _optimizer_state(scaler, optimizer)  # fail before touching anything
+    s, inv = unscaled_stats(names, grads, scaler, p)
+    return finish_unscale_(scaler, optimizer, grads, s, inv, max_norm)

@@ -1,0 +1,85 @@
+"""Statistics of gradients spread over ranks.
+
+- DTensor gradients (FSDP2 ``fully_shard``, tensor parallel): each rank reduces its local shard
+  in the fused pass; then the per-parameter rows are reduced over the mesh dimensions where the
+  gradient is sharded (sums, sums of squares, counts and numel by SUM, max |x| by MAX), all
+  parameters of one sharding layout packed into two collectives per sharded mesh dimension, in
+  float64. Replicated mesh dimensions are not reduced (no double counting).
+- ``group=`` (pipeline stages: ranks holding different parameters): the total norm's accumulator
+  and the non-finite count are reduced over the group in one collective; per-parameter rows stay
+  with the rank that owns them.
+- DDP needs nothing: its gradients are already all-reduced, the same on every rank.
+
+Collectives are issued with ``async_op=True`` and waited on together; on NCCL a wait orders the
+current stream and does not block the host.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradfuse.reference import MAXABS, NAN, POWSUM, SUM, SUMSQ
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor
+
+
+def _dtensor_class():
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def local_and_layout(name: str, t: torch.Tensor):
+    """(local tensor, sharding layout or None). The layout is (mesh, sharded mesh dims); it is
+    None for a plain tensor or a fully replicated DTensor."""
+    if is_plain(t) or not isinstance(t, _dtensor_class()):
+        return t, None
+    for pl in t.placements:
+        if pl.is_partial():
+            raise TypeError(f"gradfuse: the gradient of {name!r} is a DTensor with a Partial "
+                            f"placement {t.placements}; reduce it first (redistribute to Shard or "
+                            "Replicate), as its local values are not its elements")
+    shard_dims = tuple(i for i, pl in enumerate(t.placements) if pl.is_shard())
+    return t.to_local(), ((t.device_mesh, shard_dims) if shard_dims else None)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t if is_plain(t) or not isinstance(t, _dtensor_class()) else t.to_local()
+
+
+def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, start: int, stop: int):
+    """Rows [start, stop) belong to gradients sharded by ``layout``: returns them reduced over
+    the sharded mesh dimensions, as (floats, counts) of the full gradients."""
+    import torch.distributed as dist
+
+    mesh, dims = layout
+    f, c = floats[start:stop], counts[start:stop]
+    sums = torch.cat([f[:, SUM:SUMSQ + 1], f[:, POWSUM:POWSUM + 1], c.to(torch.float64)], dim=1)
+    maxes = f[:, MAXABS].contiguous()
+    for d in dims:  # reducing over each sharded dimension in turn reduces over their product
+        group = mesh.get_group(mesh_dim=d)
+        works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                 dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        for w in works:
+            w.wait()
+    c_out = sums[:, 3:].round().to(torch.int64)
+    # A backend's MAX may drop NaN; the summed NaN count puts it back.
+    maxes = torch.where(c_out[:, NAN] > 0, torch.full_like(maxes, math.nan), maxes)
+    f_out = torch.stack([sums[:, 0], sums[:, 1], maxes, sums[:, 2]], dim=1)
+    return f_out, c_out
+
+
+def reduce_over_group(acc: torch.Tensor, nonfinite_count: torch.Tensor, norm_type: float, group):
+    """The total norm's accumulator and whether any element is non-finite, over ``group``,
+    in one collective."""
+    import torch.distributed as dist
+
+    # A backend's MAX may drop NaN: carry "this rank's accumulator is NaN" beside it.
+    packed = torch.stack([acc.to(torch.float64), torch.isnan(acc).to(torch.float64),
+                          nonfinite_count.to(torch.float64)])
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    dist.all_reduce(packed, op=op, group=group, async_op=True).wait()
+    acc = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+    return acc, packed[2] > 0

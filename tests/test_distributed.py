@@ -1,0 +1,41 @@
+"""Distributed statistics with torch.distributed on CPU (gloo), in 2 and 4 processes started
+here, against one process holding the full gradients and against torch's clip_grad_norm_."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dist_workers
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request, tmp_path_factory):
+    world = request.param
+    d = tmp_path_factory.mktemp(f"dist{world}")
+    mp.spawn(dist_workers.worker, args=(world, str(d / "init"), list(dist_workers.CHECKS), str(d)),
+             nprocs=world, join=True)
+    return world, d
+
+
+def _check(results, name):
+    world, d = results
+    for rank in range(world):
+        status = (d / f"{name}.{rank}").read_text()
+        assert status == "ok", f"rank {rank} of {world}:\n{status}"
+
+
+def test_dtensor_sharded_dim0_dim1_uneven_empty_and_nan_on_one_rank(results):
+    _check(results, "dtensor")
+
+
+def test_group_pipeline_stages(results):
+    _check(results, "group")
+
+
+def test_fsdp2_fully_shard_end_to_end(results):
+    _check(results, "fsdp2")
