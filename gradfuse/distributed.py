@@ -16,6 +16,7 @@ current stream and does not block the host.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -24,6 +25,13 @@ from gradfuse.reference import MAXABS, NAN, POWSUM, SUM, SUMSQ
 
 def is_plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor
+
+
+def may_have_dtensors(tensors: list[torch.Tensor]) -> bool:
+    """False without a per-tensor look when DTensor was never imported (no DTensor can exist)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    return not all(is_plain(t) for t in tensors)
 
 
 def _dtensor_class():
