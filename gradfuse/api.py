@@ -80,7 +80,7 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
 
 
 def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
-                 group=None) -> GradStats:
+                 group=None, what: str = "gradient") -> GradStats:
     """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
     returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
     reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
@@ -93,7 +93,7 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         return GradStats([], torch.empty((0, 4), dtype=torch.float64),
                          torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
     device = locals_[0].device if tensors else torch.device("cpu")
-    groups = _layout_groups(names, locals_, layouts)
+    groups = _layout_groups(names, locals_, layouts, what)
     out_names, floats, counts, segments = [], [], [], []
     row = 0
     for key in sorted(groups, key=lambda k: k[0]):  # stable: first-seen order within a layout
@@ -103,7 +103,7 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         try:
             f, c = ops.multi_tensor_stats(group_tensors, norm_type)
         except RuntimeError:  # e.g. a sparse gradient: say which parameter, if it is that
-            _check_tensors([names[i] for i in idx], group_tensors, "gradient")
+            _check_tensors([names[i] for i in idx], group_tensors, what)
             raise
         out_names += names if whole else [names[i] for i in idx]
         floats.append(f.to(device))
@@ -132,7 +132,7 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
                      group_nonfinite=group_nonfinite)
 
 
-def _layout_groups(names, tensors, layouts) -> dict[tuple, list[int]]:
+def _layout_groups(names, tensors, layouts, what) -> dict[tuple, list[int]]:
     """Indices per (layout order, device, dtype); rows of one sharding layout stay adjacent, so
     each layout is reduced as one block. Raises TypeError naming a parameter of a dtype the
     kernels do not take."""
@@ -143,9 +143,9 @@ def _layout_groups(names, tensors, layouts) -> dict[tuple, list[int]]:
         # clip_grad_norm_ does) and check the dtypes per group.
         grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)
         if any(dtype not in SUPPORTED_DTYPES for _, dtype in grouped):
-            _check_tensors(names, tensors, "gradient")
+            _check_tensors(names, tensors, what)
         return {(0, device, dtype): idx for (device, dtype), (_, idx) in grouped.items()}
-    _check_tensors(names, tensors, "gradient")
+    _check_tensors(names, tensors, what)
     layout_order: dict = {}
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -236,7 +236,7 @@ def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torc
         items = list(tensors.items())
     else:
         items = [(f"[{i}]", t) for i, t in enumerate(tensors)]
-    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p)
+    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p, what="tensor")
 
 
 def _check_max_norm(max_norm) -> float:

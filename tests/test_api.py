@@ -115,6 +115,11 @@ def test_bad_gradients_name_the_parameter(make, match):
             fn()
 
 
+def test_tensor_stats_names_the_bad_tensor():
+    with pytest.raises(TypeError, match=r"the tensor of 'acts' has dtype torch.int32"):
+        gradfuse.tensor_stats({"ok": torch.ones(2), "acts": torch.ones(2, dtype=torch.int32)})
+
+
 def test_bad_source_item():
     with pytest.raises(TypeError, match="item 1 is int"):
         gradfuse.stats([nn.Parameter(torch.ones(1)), 3])
