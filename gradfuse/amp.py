@@ -15,7 +15,8 @@ import math
 import torch
 
 from gradfuse import ops
-from gradfuse.api import _check_max_norm, _check_norm_type, _fused_stats, _groups
+from gradfuse.api import (_check_max_norm, _check_norm_type, _fused_stats, _groups,
+                          _norm_accumulator, _root)
 from gradfuse.grad_stats import GradStats
 
 
@@ -45,15 +46,20 @@ def optimizer_named_grads(optimizer, names_by_param: dict | None = None):
 
 def unscaled_stats(names, grads, scaler, norm_type: float) -> tuple[GradStats, torch.Tensor]:
     """Statistics of ``grads / scale`` from one pass over the scaled ``grads``; and inv_scale."""
+    if scaler._scale is None:
+        raise RuntimeError("gradfuse: the GradScaler has no scale yet; call "
+                           "scaler.scale(loss).backward() before unscaling")
     s = _fused_stats(names, grads, norm_type)
     dev = s._floats.device
     inv = scaler._scale.double().reciprocal().to(dev)  # float64 here; torch unscales in float32
     one = torch.ones((), dtype=torch.float64, device=dev)
     p = norm_type
     pow_factor = inv.pow(p) if p not in (0.0, 2.0) and not math.isinf(p) else one
-    factors = torch.stack([inv, inv * inv, inv, pow_factor])  # columns SUM, SUMSQ, MAXABS, POWSUM
-    total = s.total_norm if p == 0.0 else (s.total_norm.double() * inv).to(s.total_norm.dtype)
-    return s._replace(floats=s._floats * factors, total_norm=total), inv
+    floats = s._floats * torch.stack([inv, inv * inv, inv, pow_factor])  # SUM, SUMSQ, MAXABS, POWSUM
+    # From the float64 rows, not from s.total_norm: that is in the gradients' dtype, where a
+    # scaled fp16 norm can overflow.
+    total = _root(_norm_accumulator(floats, s._counts, p), p).to(s.total_norm.dtype)
+    return s._replace(floats=floats, total_norm=total), inv
 
 
 def finish_unscale_(scaler, optimizer, grads, s: GradStats, inv_scale: torch.Tensor,

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+
 import torch
 
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
+
 
 def _derived(fn):
     """A property computed once per object. (functools.cached_property takes a lock that
@@ -39,6 +41,9 @@ class GradStats:
     ``clip_grad_norm_`` returns it), ``nonfinite`` (any NaN or Inf element in any gradient),
     and after :func:`gradfuse.clip_` also ``clip_coef`` (the factor applied, at most 1) and
     ``clipped``.
+
+    ``scope`` is ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
+    rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
     """
 
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
@@ -117,7 +122,7 @@ class GradStats:
 
     def norm(self, norm_type: float | None = None) -> torch.Tensor:
         """Per-parameter norm of order ``norm_type`` (default: this object's), float64. Orders
-        other than 0, 1, 2, inf need the stats to have been taken with that ``norm_type``."""
+        other than 0, 2 and inf need the stats to have been taken with that ``norm_type``."""
         p = self.norm_type if norm_type is None else float(norm_type)
         if p == 2.0:
             return self.l2

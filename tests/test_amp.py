@@ -102,3 +102,14 @@ def test_monitor_fused_unscale_and_overflow():
     assert mon.amp_overflow_steps == 1 and mon.anomaly_steps == 0 and mon.clipped_steps == 2
     with pytest.raises(ValueError, match="pass scaler= too"):
         GradMonitor(model, optimizer=opt)
+
+
+def test_fp16_gradients_whose_scaled_norm_overflows_fp16():
+    p = nn.Parameter(torch.zeros(1000, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale(torch.ones(()))  # the scale is created lazily, by the first scale()
+    p.grad = torch.full((1000,), 0.5 * 2.0**16 / 2**8, dtype=torch.float16)  # scaled: norm > 65504
+    s = gradfuse.unscale_clip_(opt, scaler)
+    assert float(s.total_norm) == pytest.approx(0.5 / 2**8 * math.sqrt(1000), rel=1e-3)
+    assert not bool(s.nonfinite)
