@@ -93,7 +93,17 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         return GradStats([], torch.empty((0, 4), dtype=torch.float64),
                          torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
     device = locals_[0].device if tensors else torch.device("cpu")
-    groups = _layout_groups(names, locals_, layouts, what)
+    whole_result = None
+    if locals_ and not any(layouts):
+        # The common case is one (device, dtype) group: hand the whole list to the op, which
+        # checks that in C++; grouping first costs another pass over every tensor.
+        try:
+            whole_result = ops.multi_tensor_stats(locals_, norm_type)
+            groups = {(0, device, locals_[0].dtype): range(len(locals_))}
+        except RuntimeError:  # mixed dtypes or devices, or a bad tensor: group, name it
+            pass
+    if whole_result is None:
+        groups = _layout_groups(names, locals_, layouts, what)
     out_names, floats, counts, segments = [], [], [], []
     row = 0
     for key in sorted(groups, key=lambda k: k[0]):  # stable: first-seen order within a layout
@@ -101,7 +111,7 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         whole = len(idx) == len(locals_)
         group_tensors = locals_ if whole else [locals_[i] for i in idx]
         try:
-            f, c = ops.multi_tensor_stats(group_tensors, norm_type)
+            f, c = whole_result or ops.multi_tensor_stats(group_tensors, norm_type)
         except RuntimeError:  # e.g. a sparse gradient: say which parameter, if it is that
             _check_tensors([names[i] for i in idx], group_tensors, what)
             raise
@@ -269,10 +279,12 @@ def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float)
     # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
     # (A rank without gradients still gets the group's coefficient.)
     clip_coef = torch.clamp(max_norm / (s.total_norm + 1e-6), max=1.0)
-    groups = _groups(grads)
-    for (device, _dtype), idx in groups.items():
-        ops.multi_tensor_scale_(grads if len(groups) == 1 else [grads[i] for i in idx],
-                                clip_coef.to(device))
+    try:  # one (device, dtype) group, checked by the op in C++, as in _fused_stats
+        if grads:
+            ops.multi_tensor_scale_(grads, clip_coef.to(grads[0].device))
+    except RuntimeError:
+        for (device, _dtype), idx in _groups(grads).items():
+            ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
     return s._replace(clip_coef=clip_coef, max_norm=max_norm)
 
 
