@@ -21,20 +21,23 @@ Source = nn.Module | torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str,
 
 def _named_grads(source: Source) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """(names, parameters, gradients) of the parameters in ``source`` that have a gradient.
-    Called every training step: kept to a few list comprehensions (10 000 parameters cost ms)."""
-    if isinstance(source, nn.Module):
-        items = list(source.named_parameters())
-    elif isinstance(source, torch.Tensor):
-        items = [("[0]", source)]
+    Called every training step with up to 10 000s of parameters: a few list comprehensions, no
+    per-parameter tuples (allocating them wakes the garbage collector, which then walks every
+    tensor)."""
+    if isinstance(source, torch.Tensor):
+        names, params = ["[0]"], [source]
     else:
-        items = list(source)
-        if not all(isinstance(item, tuple) for item in items):
-            items = [_as_named(i, item) for i, item in enumerate(items)]
-    triples = [(name, p, p.grad) for name, p in items]  # .grad is a slow property: read once
-    triples = [t for t in triples if t[2] is not None]
-    names = [t[0] for t in triples]
-    params = [t[1] for t in triples]
-    grads = [t[2] for t in triples]
+        items = list(source.named_parameters() if isinstance(source, nn.Module) else source)
+        if all(isinstance(item, torch.Tensor) for item in items):  # clip_grad_norm_'s usual input
+            names, params = [f"[{i}]" for i in range(len(items))], items
+        else:
+            if not all(isinstance(item, tuple) for item in items):
+                items = [_as_named(i, item) for i, item in enumerate(items)]
+            names, params = [n for n, _ in items], [p for _, p in items]
+    grads = [p.grad for p in params]  # .grad is a slow property: read it once
+    if any(g is None for g in grads):
+        keep = [i for i, g in enumerate(grads) if g is not None]
+        names, params, grads = ([x[i] for i in keep] for x in (names, params, grads))
     return names, params, grads  # checked in _fused_stats, without another per-tensor pass
 
 
