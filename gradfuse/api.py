@@ -154,10 +154,10 @@ def _layout_groups(names, tensors, layouts, what) -> dict[tuple, list[int]]:
     if not any(layouts):
         # Every Python-level look at 10 000 tensors costs milliseconds: group them in C++ (as
         # clip_grad_norm_ does) and check the dtypes per group.
-        grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)
+        grouped = _groups(tensors)
         if any(dtype not in SUPPORTED_DTYPES for _, dtype in grouped):
             _check_tensors(names, tensors, what)
-        return {(0, device, dtype): idx for (device, dtype), (_, idx) in grouped.items()}
+        return {(0, device, dtype): idx for (device, dtype), idx in grouped.items()}
     _check_tensors(names, tensors, what)
     layout_order: dict = {}
     groups: dict[tuple, list[int]] = {}
@@ -294,7 +294,8 @@ def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float)
 def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
           group=None) -> GradStats:
     s = _fused_stats(names, grads, norm_type, group)
-    grads = [distributed.local_tensor(g) for g in grads]  # DTensor: scale this rank's shard
+    if distributed.may_have_dtensors(grads):  # DTensor: scale this rank's shard
+        grads = [distributed.local_tensor(g) for g in grads]
     total = s.total_norm
     if grads and error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
         _raise_nonfinite(s)

@@ -92,24 +92,18 @@ class SyncCounter:
         return f
 
 
-def test_quiet_steps_sync_nothing_without_policy(monkeypatch):
+@pytest.mark.parametrize("policy, syncs_per_step", [
+    (dict(on_nonfinite="ignore"), 0),                               # no policy: no sync at all
+    (dict(on_nonfinite="skip", explode_threshold=1e6), 1),          # one 0-d flag per step
+])
+def test_quiet_steps_host_syncs(monkeypatch, policy, syncs_per_step):
     model = make_model()
     backward(model)
-    mon = GradMonitor(model, max_norm=0.5, every=0, on_nonfinite="ignore")
+    mon = GradMonitor(model, max_norm=0.5, every=0, **policy)
     counter = SyncCounter(monkeypatch)
     for _ in range(5):
         mon.step()
-    assert counter.count == 0
-
-
-def test_quiet_steps_with_policy_sync_one_flag(monkeypatch):
-    model = make_model()
-    backward(model)
-    mon = GradMonitor(model, max_norm=0.5, every=0, on_nonfinite="skip", explode_threshold=1e6)
-    counter = SyncCounter(monkeypatch)
-    for _ in range(5):
-        mon.step()
-    assert counter.count == 5
+    assert counter.count == 5 * syncs_per_step
 
 
 def test_disabled_costs_nothing(monkeypatch):

@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
-#include <mutex>
 
 #include "kernels.h"
 

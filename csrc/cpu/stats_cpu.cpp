@@ -3,7 +3,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "../common/chunk_plan.h"
