@@ -16,6 +16,13 @@ namespace gradfuse {
 
 constexpr int64_t kChunkElems = 65536;
 
+// One tensor's elements as a flat span of memory (the tensor is non-overlapping and dense), as
+// both backends' kernels see it: no ATen types, so the device code builds without ATen.
+struct Span {
+  void* data;
+  int64_t numel;
+};
+
 struct ChunkPlan {
   // first_chunk[i] is the id of tensor i's first chunk; first_chunk[n] the total chunk count.
   std::vector<int64_t> first_chunk;
@@ -23,13 +30,13 @@ struct ChunkPlan {
   int64_t num_chunks() const { return first_chunk.back(); }
 };
 
-inline ChunkPlan make_chunk_plan(const std::vector<int64_t>& numels) {
+inline ChunkPlan make_chunk_plan(const std::vector<Span>& spans) {
   ChunkPlan plan;
-  plan.first_chunk.reserve(numels.size() + 1);
+  plan.first_chunk.reserve(spans.size() + 1);
   int64_t next = 0;
-  for (int64_t n : numels) {
+  for (const Span& s : spans) {
     plan.first_chunk.push_back(next);
-    next += (n + kChunkElems - 1) / kChunkElems;
+    next += (s.numel + kChunkElems - 1) / kChunkElems;
   }
   plan.first_chunk.push_back(next);
   return plan;

@@ -39,17 +39,34 @@ inline at::Tensor as_dense(const at::Tensor& t) {
   return t.is_non_overlapping_and_dense() ? t : t.contiguous();
 }
 
-// Pointer to the lowest-addressed element of a non-overlapping, dense tensor.
-inline void* span_start(const at::Tensor& t) {
-  // Strides are never negative in PyTorch, so the element at index 0 is the lowest one.
-  return t.data_ptr();
-}
+// One call's tensors as the kernels of both backends see them: dense tensors (copies of
+// non-dense inputs are kept alive here), their spans, and the chunk plan over those spans.
+struct DenseGroup {
+  std::vector<at::Tensor> dense;
+  std::vector<Span> spans;
+  ChunkPlan plan;
 
-inline std::vector<int64_t> numels_of(const std::vector<at::Tensor>& ts) {
-  std::vector<int64_t> n;
-  n.reserve(ts.size());
-  for (const auto& t : ts) n.push_back(t.numel());
-  return n;
+  explicit DenseGroup(at::TensorList tensors) {
+    dense.reserve(tensors.size());
+    spans.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      dense.push_back(as_dense(t));
+      // Strides are never negative in PyTorch, so the element at index 0 of a dense tensor is
+      // its lowest-addressed one.
+      spans.push_back({dense.back().data_ptr(), dense.back().numel()});
+    }
+    plan = make_chunk_plan(spans);
+  }
+};
+
+// The in-place scale kernels need one dense block per tensor; other views are multiplied by
+// ATen where they live. Returns the dense ones, still to be scaled by the kernels.
+inline std::vector<at::Tensor> scale_non_dense_(at::TensorList tensors, const at::Tensor& coef) {
+  std::vector<at::Tensor> dense;
+  for (const auto& t : tensors) {
+    if (t.is_non_overlapping_and_dense()) dense.push_back(t); else t.mul_(coef.to(t.scalar_type()));
+  }
+  return dense;
 }
 
 inline at::ScalarType partial_dtype(at::ScalarType input) {

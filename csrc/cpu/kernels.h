@@ -7,15 +7,10 @@
 
 #include <cstdint>
 
+#include "../common/chunk_plan.h"
 #include "../common/stats_math.h"
 
 namespace gradfuse::cpu {
-
-// One tensor's elements as a flat span of memory (the tensor is non-overlapping and dense).
-struct Span {
-  void* data;
-  int64_t numel;
-};
 
 // Arguments shared by every chunk of one call.
 struct ChunkArgs {

@@ -25,32 +25,16 @@ Kernels kernels_for(const std::string& isa) {
   return {DEFAULT::stats_chunks, DEFAULT::scale_chunks};
 }
 
-// Groups the dense views and spans of one call; keeps copies of non-dense inputs alive.
-struct Prepared {
-  std::vector<at::Tensor> dense;
-  std::vector<Span> spans;
-  ChunkPlan plan;
-
-  explicit Prepared(at::TensorList tensors) {
-    dense.reserve(tensors.size());
-    spans.reserve(tensors.size());
-    for (const auto& t : tensors) {
-      dense.push_back(as_dense(t));
-      spans.push_back({span_start(dense.back()), dense.back().numel()});
-    }
-    plan = make_chunk_plan(numels_of(dense));
-  }
-
-  ChunkArgs args(at::ScalarType dtype) const {
-    return {spans.data(), static_cast<int64_t>(spans.size()), plan.first_chunk.data(), dtype};
-  }
-};
+ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
+  return {group.spans.data(), static_cast<int64_t>(group.spans.size()),
+          group.plan.first_chunk.data(), dtype};
+}
 
 // Combines the chunk partials of every tensor, in chunk order, in double.
 template <typename acc_t>
-void finalize(const Prepared& prep, const acc_t* fp, const int64_t* cp, double* out_f,
+void finalize(const DenseGroup& group, const acc_t* fp, const int64_t* cp, double* out_f,
               int64_t* out_c, int64_t num_tensors) {
-  const ChunkPlan& plan = prep.plan;
+  const ChunkPlan& plan = group.plan;
   at::parallel_for(0, num_tensors, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       StatsAcc<double> s;
@@ -58,7 +42,7 @@ void finalize(const Prepared& prep, const acc_t* fp, const int64_t* cp, double* 
         s.combine(StatsAcc<acc_t>::load(fp + c * kNumFloatStats, cp + c * kNumCountStats));
       }
       s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
-      out_c[t * kNumCountStats + kNumel] = prep.spans[t].numel;
+      out_c[t * kNumCountStats + kNumel] = group.spans[t].numel;
     }
   });
 }
@@ -71,10 +55,10 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
   auto out_c = at::empty({n, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   if (n == 0) return {out_f, out_c};
 
-  const Prepared prep(tensors);
+  const DenseGroup group(tensors);
   const auto dtype = tensors[0].scalar_type();
-  const auto args = prep.args(dtype);
-  const int64_t num_chunks = prep.plan.num_chunks();
+  const auto args = chunk_args(group, dtype);
+  const int64_t num_chunks = group.plan.num_chunks();
   auto part_f = at::empty({num_chunks, kNumFloatStats}, at::TensorOptions().dtype(partial_dtype(dtype)));
   auto part_c = at::empty({num_chunks, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   const PowMode mode = pow_mode_for(norm_type);
@@ -85,10 +69,10 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
     kern.stats(args, mode, norm_type, begin, end, fp, cp);
   });
   if (dtype == at::kDouble) {
-    finalize<double>(prep, part_f.data_ptr<double>(), cp, out_f.data_ptr<double>(),
+    finalize<double>(group, part_f.data_ptr<double>(), cp, out_f.data_ptr<double>(),
                      out_c.data_ptr<int64_t>(), n);
   } else {
-    finalize<float>(prep, part_f.data_ptr<float>(), cp, out_f.data_ptr<double>(),
+    finalize<float>(group, part_f.data_ptr<float>(), cp, out_f.data_ptr<double>(),
                     out_c.data_ptr<int64_t>(), n);
   }
   return {out_f, out_c};
@@ -102,16 +86,12 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool
   const double c = coef.item<double>();
   if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
 
-  // Views that are not one dense block are scaled with ATen, in place, where they live.
-  std::vector<at::Tensor> dense;
-  for (const auto& t : tensors) {
-    if (t.is_non_overlapping_and_dense()) dense.push_back(t); else t.mul_(coef.to(t.scalar_type()));
-  }
+  const auto dense = scale_non_dense_(tensors, coef);
   if (dense.empty()) return;
-  const Prepared prep(dense);
-  const auto args = prep.args(dense[0].scalar_type());
+  const DenseGroup group(dense);
+  const auto args = chunk_args(group, dense[0].scalar_type());
   const auto kern = kernels_for(active_cpu_capability());
-  at::parallel_for(0, prep.plan.num_chunks(), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, group.plan.num_chunks(), 1, [&](int64_t begin, int64_t end) {
     kern.scale(args, c, begin, end);
   });
 }
