@@ -1,5 +1,4 @@
 """gradfuse.clip_grad_norm_ and gradfuse.clip_ against torch.nn.utils.clip_grad_norm_, run live."""
-import copy
 import math
 import warnings
 
@@ -26,9 +25,21 @@ def tol(dtype):
     return {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
 
 
+def clone_params(params):
+    """Independent copies of ``params`` with their gradients (copy.deepcopy of an nn.Parameter
+    drops .grad)."""
+    out = []
+    for p in params:
+        q = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        if p.grad is not None:
+            q.grad = p.grad.clone()
+        out.append(q)
+    return out
+
+
 def run_both(params, max_norm, norm_type, **kw):
-    ours = copy.deepcopy(params)
-    theirs = copy.deepcopy(params)
+    ours = clone_params(params)
+    theirs = clone_params(params)
     t_ours = gradfuse.clip_grad_norm_(ours, max_norm, norm_type, **kw)
     t_theirs = nn.utils.clip_grad_norm_(theirs, max_norm, norm_type, **kw)
     return ours, theirs, t_ours, t_theirs
@@ -38,12 +49,18 @@ def assert_same(ours, theirs, t_ours, t_theirs, dtype):
     assert t_ours.dtype == t_theirs.dtype and t_ours.shape == t_theirs.shape
     assert t_ours.device == t_theirs.device
     torch.testing.assert_close(t_ours, t_theirs, rtol=tol(dtype), atol=0, equal_nan=True)
+    assert len(ours) == len(theirs)
+    compared = 0
     for a, b in zip(ours, theirs):
         if a.grad is None:
             assert b.grad is None
             continue
         torch.testing.assert_close(a.grad, b.grad, rtol=tol(dtype), atol=tol(dtype) * 1e-3,
                                    equal_nan=True)
+        compared += int(bool((b.grad != 0).any()))
+    # Something was compared: gradients with non-zero elements, a non-zero total norm.
+    assert compared > 0, "no non-zero gradient was compared"
+    assert bool(t_theirs != 0), "the total norm compared is 0"
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
@@ -65,7 +82,7 @@ def test_single_tensor_and_none_grads(device):
     params = make_params(torch.float32, device)
     params[1].grad = None
     assert_same(*run_both(params, 0.1, 2.0), torch.float32)
-    ours, theirs = copy.deepcopy(params[0]), copy.deepcopy(params[0])
+    ours, theirs = clone_params(params[:1]) + clone_params(params[:1])
     t_ours = gradfuse.clip_grad_norm_(ours, 0.1)
     t_theirs = nn.utils.clip_grad_norm_(theirs, 0.1)
     assert_same([ours], [theirs], t_ours, t_theirs, torch.float32)
