@@ -239,7 +239,9 @@ def _layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple
 
 
 def _layout_key(layout):
-    return None if layout is None else (id(layout[0]), layout[1])
+    # The mesh itself, not its id: FSDP2 can hand equal meshes as distinct objects, which would
+    # cost another 2 collectives each (DeviceMesh caches its hash; == checks identity first).
+    return None if layout is None else (layout[0], layout[1])
 
 
 def _reduce_sharded(floats, counts, segments, norm_type: float):
