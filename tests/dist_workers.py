@@ -165,6 +165,10 @@ def check_fsdp2(rank, world):
     t_total = nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert_total_like_torch(gradfuse.clip_(model, max_norm=1e-3).total_norm, t_total)
     close(nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor(), 1e-3, rtol=1e-4)
+    # the monitor clips the shards too (its policy flag reads the DTensor total)
+    report = gradfuse.GradMonitor(model, max_norm=1e-4, explode_threshold=1e9).step()
+    assert not report.skip and not report.anomalies
+    close(nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor(), 1e-4, rtol=2e-3)
 
 
 class Block(nn.Module):
