@@ -354,6 +354,17 @@ def test_bad_parameters_raise_torchs_error_types(make):
     assert "gradfuse.clip_grad_norm_" in str(ours.value)
 
 
+def test_named_parameters_accepted_and_named_in_errors():
+    model = nn.Linear(4, 3)
+    model.weight.grad = torch.ones(3, 4)
+    model.bias.grad = torch.tensor([1.0, math.inf, 0.0])
+    with pytest.raises(RuntimeError, match=r"bias \(nan=0, inf=1\)"):
+        gradfuse.clip_grad_norm_(model.named_parameters(), 1.0, error_if_nonfinite=True)
+    model.bias.grad = torch.ones(3)
+    total = gradfuse.clip_grad_norm_(model.named_parameters(), 1.0)
+    assert float(total) == pytest.approx(math.sqrt(15), rel=1e-6)
+
+
 def test_bad_items_for_the_split_functions():
     with pytest.raises(AttributeError, match=r"tensors\[1\] is NoneType"):
         gradfuse.get_total_norm([torch.ones(2), None])
