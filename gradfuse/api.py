@@ -1,7 +1,10 @@
-"""The public entry points: stats, tensor_stats, clip_grad_norm_, clip_."""
+"""The public entry points: stats, tensor_stats, clip_grad_norm_, get_total_norm,
+clip_grads_with_norm_, clip_."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 import types
 import warnings
 from collections.abc import Iterable
@@ -97,13 +100,24 @@ def _kernel_takes_order(p: float) -> bool:
 
 
 _warned: set[str] = set()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _warn_slow_once(kind: str) -> None:
     if kind not in _warned:
         _warned.add(kind)
         warnings.warn(f"gradfuse: {kind} take a slower per-tensor PyTorch path, not the fused "
-                      "kernels (this warning is shown once)", stacklevel=4)
+                      "kernels (this warning is shown once)", stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel, for a warning issued by the caller, of the first frame outside gradfuse
+    and torch's no_grad wrapper: the warning then names the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                 or frame.f_code.co_filename.endswith("_contextlib.py")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
