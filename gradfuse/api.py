@@ -1,7 +1,10 @@
-"""The public entry points: stats, tensor_stats, clip_grad_norm_, clip_."""
+"""The public entry points: stats, tensor_stats, clip_grad_norm_, get_total_norm,
+clip_grads_with_norm_, clip_."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 import types
 import warnings
 from collections.abc import Iterable
@@ -10,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from gradfuse import distributed, ops
+from gradfuse import distributed, ops, reference
 from gradfuse.grad_stats import GradStats
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUMSQ, ZERO
 
@@ -50,28 +53,71 @@ def _as_named(i: int, item) -> tuple[str, torch.Tensor]:
                     f"item {i} is {type(item).__name__}")
 
 
-def _check_tensors(names: list[str], tensors: list[torch.Tensor], what: str) -> None:
+class GradientTypeError(TypeError, RuntimeError):
+    """A gradient (or tensor) of a dtype or layout that gradfuse does not take, e.g. an integer
+    one. Also a RuntimeError, which torch.nn.utils.clip_grad_norm_ raises for these."""
+
+
+class ParametersTypeError(TypeError, AttributeError):
+    """``parameters`` holds something that is not a tensor (None, a number, a module). Also an
+    AttributeError, which torch.nn.utils.clip_grad_norm_ raises for these (``.grad``)."""
+
+
+def _check_tensors(names: list[str], tensors: list[torch.Tensor], what: str,
+                   slow_path: bool = False) -> None:
     for name, t in zip(names, tensors):
-        _check_tensor(name, t, what)
+        _check_tensor(name, t, what, slow_path)
 
 
-def _check_tensor(name: str, t: torch.Tensor, what: str) -> None:
-    if t.layout != torch.strided:
-        raise TypeError(f"gradfuse: the {what} of {name!r} is {t.layout}; only dense tensors are "
-                        "supported (for sparse gradients use torch.nn.utils.clip_grad_norm_)")
-    if t.dtype not in SUPPORTED_DTYPES:
-        kind = "complex" if t.dtype.is_complex else "not floating point"
-        raise TypeError(f"gradfuse: the {what} of {name!r} has dtype {t.dtype} ({kind}); "
-                        "supported: float16, bfloat16, float32, float64")
+def _check_tensor(name: str, t: torch.Tensor, what: str, slow_path: bool = False) -> None:
+    """Raises GradientTypeError naming ``name`` if no path takes ``t``. ``slow_path``: sparse
+    (COO) and complex tensors are taken (the drop-ins for torch.nn.utils take them)."""
+    takers = "gradfuse.clip_grad_norm_ and get_total_norm take them too"
+    if t.layout != torch.strided and not (slow_path and t.layout == torch.sparse_coo):
+        hint = f" ({takers})" if t.layout == torch.sparse_coo else ""
+        raise GradientTypeError(f"gradfuse: the {what} of {name!r} is {t.layout}; statistics "
+                                f"take dense tensors{hint}")
+    if t.dtype in SUPPORTED_DTYPES or (slow_path and t.dtype.is_complex):
+        return
+    kind = "complex" if t.dtype.is_complex else "not floating point"
+    hint = f" ({takers})" if t.dtype.is_complex else ""
+    raise GradientTypeError(f"gradfuse: the {what} of {name!r} has dtype {t.dtype} ({kind}); "
+                            f"supported: float16, bfloat16, float32, float64{hint}")
 
 
 def _check_norm_type(norm_type) -> float:
     p = float(norm_type)
-    if math.isnan(p) or p == -math.inf:
-        raise ValueError(f"gradfuse: norm_type must be a number >= 0 or inf, got {norm_type!r}")
-    if p < 0:
-        raise ValueError(f"gradfuse: norm_type must be >= 0 or inf, got {p}")
+    if math.isnan(p):
+        # torch returns NaN and scales every gradient to NaN: refuse instead
+        raise ValueError(f"gradfuse: norm_type must be a number or +-inf, got {norm_type!r}")
     return p
+
+
+def _kernel_takes_order(p: float) -> bool:
+    # The kernels compute |x|^p with a sign-preserving abs (pow(-0.0, p) < 0 for odd p < 0) and
+    # keep no minimum: negative orders and -inf take the per-tensor path.
+    return p >= 0
+
+
+_warned: set[str] = set()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn_slow_once(kind: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(f"gradfuse: {kind} take a slower per-tensor PyTorch path, not the fused "
+                      "kernels (this warning is shown once)", stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel, for a warning issued by the caller, of the first frame outside gradfuse
+    and torch's no_grad wrapper: the warning then names the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                 or frame.f_code.co_filename.endswith("_contextlib.py")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
@@ -83,21 +129,26 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
 
 
 def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
-                 group=None, what: str = "gradient") -> GradStats:
+                 group=None, what: str = "gradient", *, slow_path: bool = False,
+                 elementwise_zero_norm: bool = False) -> GradStats:
     """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
     returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
     reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
-    flag are reduced over that process group (see gradfuse.distributed)."""
+    flag are reduced over that process group (see gradfuse.distributed). ``slow_path``: also
+    take sparse and complex tensors (per tensor, in PyTorch). ``elementwise_zero_norm``: the
+    total 0-norm counts non-zero elements, not tensors with one (see _norm_accumulator)."""
     locals_, layouts = tensors, [None] * len(tensors)
+    dtensor_spec = None
     if distributed.may_have_dtensors(tensors):
         pairs = [distributed.local_and_layout(n, t) for n, t in zip(names, tensors)]
         locals_, layouts = [p[0] for p in pairs], [p[1] for p in pairs]
+        dtensor_spec = distributed.total_norm_spec(tensors, layouts, norm_type)
     if not tensors and group is None:
         return GradStats([], torch.empty((0, 4), dtype=torch.float64),
                          torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
     device = locals_[0].device if tensors else torch.device("cpu")
     whole_result = None
-    if locals_ and not any(layouts):
+    if locals_ and not any(layouts) and _kernel_takes_order(norm_type):
         # The common case is one (device, dtype) group: hand the whole list to the op, which
         # checks that in C++; grouping first costs another pass over every tensor.
         try:
@@ -106,18 +157,14 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         except RuntimeError:  # mixed dtypes or devices, or a bad tensor: group, name it
             pass
     if whole_result is None:
-        groups = _layout_groups(names, locals_, layouts, what)
+        groups = _layout_groups(names, locals_, layouts, what, slow_path)
     out_names, floats, counts, segments = [], [], [], []
     row = 0
     for key in sorted(groups, key=lambda k: k[0]):  # stable: first-seen order within a layout
         idx = groups[key]
         whole = len(idx) == len(locals_)
         group_tensors = locals_ if whole else [locals_[i] for i in idx]
-        try:
-            f, c = whole_result or ops.multi_tensor_stats(group_tensors, norm_type)
-        except RuntimeError:  # e.g. a sparse gradient: say which parameter, if it is that
-            _check_tensors([names[i] for i in idx], group_tensors, what)
-            raise
+        f, c = whole_result or _group_stats(names, idx, group_tensors, norm_type, what, slow_path)
         out_names += names if whole else [names[i] for i in idx]
         floats.append(f.to(device))
         counts.append(c.to(device))
@@ -130,25 +177,63 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         floats = torch.zeros((0, 4), dtype=torch.float64, device=device)
         counts = torch.zeros((0, 4), dtype=torch.int64, device=device)
     if any(layout is not None for layout, _, _ in segments):
-        floats, counts = _reduce_sharded(floats, counts, segments)
-    acc = _norm_accumulator(floats, counts, norm_type)
+        floats, counts = _reduce_sharded(floats, counts, segments, norm_type)
+    acc = _norm_accumulator(floats, counts, norm_type, elementwise_zero_norm)
     group_nonfinite = None
     if group is not None:
         nonfinite_count = (counts[:, NAN] + counts[:, INF]).sum()
         acc, group_nonfinite = distributed.reduce_over_group(acc, nonfinite_count, norm_type, group)
     total = _root(acc, norm_type)
-    # The dtype clip_grad_norm_ returns: that of its stacked per-tensor norms.
-    out_dtype = tensors[0].dtype if tensors else torch.float32
+    # The dtype clip_grad_norm_ returns: that of its stacked per-tensor norms (real for complex).
+    out_dtype = _norm_dtype(tensors[0].dtype) if tensors else torch.float32
     for _order, _device, dtype in groups:
-        out_dtype = torch.promote_types(out_dtype, dtype)
+        out_dtype = torch.promote_types(out_dtype, _norm_dtype(dtype))
     return GradStats(out_names, floats, counts, norm_type, total.to(out_dtype),
-                     group_nonfinite=group_nonfinite)
+                     group_nonfinite=group_nonfinite, dtensor_spec=dtensor_spec)
 
 
-def _layout_groups(names, tensors, layouts, what) -> dict[tuple, list[int]]:
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _group_stats(names, idx, tensors, p: float, what: str, slow_path: bool):
+    """(floats, counts) of one (device, dtype) group: the compiled op, and the per-tensor path for
+    what it does not take (negative orders, sparse and complex tensors)."""
+    if not _kernel_takes_order(p) or tensors[0].dtype.is_complex:
+        _check_tensors([names[i] for i in idx], tensors, what, slow_path)
+        _warn_if_sparse_or_complex(tensors)
+        return reference.tensor_rows(tensors, p)
+    try:
+        return ops.multi_tensor_stats(tensors, p)
+    except RuntimeError:  # e.g. a sparse gradient: say which parameter, if it is that
+        _check_tensors([names[i] for i in idx], tensors, what, slow_path)
+        dense = [i for i, t in enumerate(tensors) if t.layout == torch.strided]
+        if len(dense) == len(tensors):
+            raise
+    # Sparse gradients among dense ones of the same dtype: rows of each kind, back in order.
+    _warn_slow_once("sparse gradients")
+    sparse = [i for i, t in enumerate(tensors) if t.layout != torch.strided]
+    f, c = reference.tensor_rows([tensors[i] for i in sparse], p)
+    floats = f.new_empty((len(tensors), 4))
+    counts = c.new_empty((len(tensors), 4))
+    floats[sparse], counts[sparse] = f, c
+    if dense:
+        floats[dense], counts[dense] = (
+            x.to(f.device) for x in ops.multi_tensor_stats([tensors[i] for i in dense], p))
+    return floats, counts
+
+
+def _warn_if_sparse_or_complex(tensors) -> None:
+    if tensors[0].dtype.is_complex:
+        _warn_slow_once("complex gradients")
+    if any(t.layout != torch.strided for t in tensors):
+        _warn_slow_once("sparse gradients")
+
+
+def _layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple, list[int]]:
     """Indices per (layout order, device, dtype); rows of one sharding layout stay adjacent, so
-    each layout is reduced as one block. Raises TypeError naming a parameter of a dtype the
-    kernels do not take."""
+    each layout is reduced as one block. Raises GradientTypeError naming a parameter of a dtype
+    no path takes."""
     if not tensors:
         return {}
     if not any(layouts):
@@ -156,9 +241,9 @@ def _layout_groups(names, tensors, layouts, what) -> dict[tuple, list[int]]:
         # clip_grad_norm_ does) and check the dtypes per group.
         grouped = _groups(tensors)
         if any(dtype not in SUPPORTED_DTYPES for _, dtype in grouped):
-            _check_tensors(names, tensors, what)
+            _check_tensors(names, tensors, what, slow_path)
         return {(0, device, dtype): idx for (device, dtype), idx in grouped.items()}
-    _check_tensors(names, tensors, what)
+    _check_tensors(names, tensors, what, slow_path)
     layout_order: dict = {}
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -168,10 +253,12 @@ def _layout_groups(names, tensors, layouts, what) -> dict[tuple, list[int]]:
 
 
 def _layout_key(layout):
-    return None if layout is None else (id(layout[0]), layout[1])
+    # The mesh itself, not its id: FSDP2 can hand equal meshes as distinct objects, which would
+    # cost another 2 collectives each (DeviceMesh caches its hash; == checks identity first).
+    return None if layout is None else (layout[0], layout[1])
 
 
-def _reduce_sharded(floats, counts, segments):
+def _reduce_sharded(floats, counts, segments, norm_type: float):
     """Replaces the rows of sharded gradients with those of the full gradients; consecutive
     segments of one layout (several dtypes) are reduced together."""
     merged = []
@@ -187,22 +274,29 @@ def _reduce_sharded(floats, counts, segments):
             f_parts.append(floats[a:b])
             c_parts.append(counts[a:b])
         else:
-            f, c = distributed.reduce_sharded_rows(floats, counts, layout, a, b)
+            f, c = distributed.reduce_sharded_rows(floats, counts, layout, a, b, norm_type)
             f_parts.append(f)
             c_parts.append(c)
     return torch.cat(f_parts), torch.cat(c_parts)
 
 
-def _norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float) -> torch.Tensor:
-    """What the total norm of order p is a root of (or the max, for inf), in float64; these
-    add (or max) across ranks."""
+def _norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float,
+                      elementwise_zero_norm: bool = False) -> torch.Tensor:
+    """What the total norm of order p is a root of (or the max / min, for inf / -inf), in
+    float64; these add (or max / min) across ranks. As torch.nn.utils, the total is the norm of
+    the per-tensor norms; for p != 0 that equals the norm of all elements viewed as one vector,
+    for p = 0 it counts tensors with a non-zero element (``elementwise_zero_norm``: counts the
+    non-zero elements, the 0-norm of the one vector)."""
     if p == 2.0:
         return floats[:, SUMSQ].sum()
-    if math.isinf(p):
+    if p == math.inf:
         # amax propagates NaN; an empty set of rows has norm 0
         return floats[:, MAXABS].amax() if floats.shape[0] else floats.new_zeros(())
-    if p == 0.0:
-        return (counts[:, NUMEL] - counts[:, ZERO]).sum().to(torch.float64)
+    if p == -math.inf:  # POWSUM holds min |x| (+inf for an empty tensor)
+        return floats[:, POWSUM].amin() if floats.shape[0] else floats.new_zeros(())
+    if p == 0.0:  # NaN counts as non-zero
+        nonzero = counts[:, NUMEL] - counts[:, ZERO]
+        return (nonzero if elementwise_zero_norm else nonzero > 0).sum().to(torch.float64)
     return floats[:, POWSUM].sum()
 
 
@@ -241,6 +335,8 @@ def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torc
     """The same statistics for arbitrary tensors (activations, weights, ...).
 
     ``tensors`` is a tensor, an iterable of tensors (named ``[i]``) or a dict name -> tensor.
+    The total norm is that of all elements viewed as one vector: for ``norm_type=0`` the number
+    of non-zero elements (gradient statistics count gradients with one, as torch.nn.utils).
     """
     p = _check_norm_type(norm_type)
     if isinstance(tensors, torch.Tensor):
@@ -249,7 +345,8 @@ def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torc
         items = list(tensors.items())
     else:
         items = [(f"[{i}]", t) for i, t in enumerate(tensors)]
-    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p, what="tensor")
+    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p, what="tensor",
+                        elementwise_zero_norm=True)
 
 
 def _check_max_norm(max_norm) -> float:
@@ -269,11 +366,32 @@ def _raise_nonfinite(s: GradStats) -> None:
         if len(bad) > 20:
             detail += f", ... {len(bad) - 20} more"
     else:
-        detail = " No gradient holds NaN or Inf: the norm overflowed."
+        detail = (" No gradient holds NaN or Inf: the norm overflowed"
+                  + (" (for a negative order: every |x|^p underflowed to 0)." if s.norm_type < 0
+                     else "."))
     raise RuntimeError(
         f"The total norm of order {s.norm_type} for gradients from `parameters` is non-finite, "
         "so it cannot be clipped. To disable this error and scale the gradients by the "
         "non-finite norm anyway, set `error_if_nonfinite=False`." + detail)
+
+
+def _scale_(grads: list[torch.Tensor], clip_coef: torch.Tensor) -> None:
+    """Multiplies ``grads`` in place by ``clip_coef`` (0-d, at most 1: the kernels skip a
+    coefficient of 1); DTensors by their local shards."""
+    if distributed.may_have_dtensors(grads):
+        grads = [distributed.local_tensor(g) for g in grads]
+    try:  # one (device, dtype) group, checked by the op in C++, as in _fused_stats
+        if grads:
+            ops.multi_tensor_scale_(grads, clip_coef.to(grads[0].device))
+    except RuntimeError:
+        for (device, _dtype), idx in _groups(grads).items():
+            group = [grads[i] for i in idx]
+            coef = clip_coef.to(device)
+            try:
+                ops.multi_tensor_scale_(group, coef)
+            except RuntimeError:  # sparse or complex: multiplied as torch does
+                for g in group:
+                    g.mul_(coef)
 
 
 def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float) -> GradStats:
@@ -281,50 +399,110 @@ def _scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float)
     returns ``s`` with ``clip_coef`` set. The scale pass runs only where the coefficient is < 1."""
     # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
     # (A rank without gradients still gets the group's coefficient.)
-    clip_coef = torch.clamp(max_norm / (s.total_norm + 1e-6), max=1.0)
-    try:  # one (device, dtype) group, checked by the op in C++, as in _fused_stats
-        if grads:
-            ops.multi_tensor_scale_(grads, clip_coef.to(grads[0].device))
-    except RuntimeError:
-        for (device, _dtype), idx in _groups(grads).items():
-            ops.multi_tensor_scale_([grads[i] for i in idx], clip_coef.to(device))
+    clip_coef = torch.clamp(max_norm / (s._total + 1e-6), max=1.0)
+    _scale_(grads, clip_coef)
     return s._replace(clip_coef=clip_coef, max_norm=max_norm)
 
 
-def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
-          group=None) -> GradStats:
-    s = _fused_stats(names, grads, norm_type, group)
-    if distributed.may_have_dtensors(grads):  # DTensor: scale this rank's shard
-        grads = [distributed.local_tensor(g) for g in grads]
-    total = s.total_norm
-    if grads and error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
+def _raise_if_nonfinite(s: GradStats) -> None:
+    total = s._total
+    if torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
         _raise_nonfinite(s)
+
+
+def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+          group=None, slow_path: bool = False) -> GradStats:
+    s = _fused_stats(names, grads, norm_type, group, slow_path=slow_path)
+    if grads and error_if_nonfinite:
+        _raise_if_nonfinite(s)
     return _scale_to_max_norm(s, grads, max_norm)
+
+
+def _as_tensor_list(tensors, fn: str) -> list:
+    """``tensors`` as a list, as torch.nn.utils takes it: a tensor or an iterable; a module is
+    refused (it would be iterated as submodules, or not at all)."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, nn.Module):
+        raise ParametersTypeError(f"gradfuse.{fn}: got a module ({type(tensors).__name__}); pass "
+                                  "model.parameters() (gradfuse.clip_ and stats take a module)")
+    return list(tensors)
+
+
+def _grads_of(parameters: list, fn: str):
+    try:
+        return _named_grads(parameters)
+    except TypeError as e:  # an item that is not a tensor: torch fails reading its .grad
+        raise ParametersTypeError(f"gradfuse.{fn}: {e}") from None
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Drop-in for :func:`torch.nn.utils.clip_grad_norm_`: same arguments, same in-place effect,
-    same returned total norm (a 0-d tensor in the gradients' dtype).
+    same returned total norm (a 0-d tensor in the gradients' dtype; a DTensor for DTensor
+    gradients, placed as torch places it).
 
     The norm is one fused pass per (device, dtype) group; the gradients are scaled by
     ``min(max_norm / (total_norm + 1e-6), 1)`` in a second pass that runs only when that
-    coefficient is below 1 (decided on the device, without a host sync). ``foreach`` is
-    accepted for compatibility; gradfuse always uses its fused kernels.
+    coefficient is below 1 (decided on the device, without a host sync). Negative orders, -inf,
+    sparse and complex gradients take a slower per-tensor path. ``foreach`` is accepted for
+    compatibility; gradfuse always uses its fused kernels.
     """
     del foreach
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     else:
         is_generator = isinstance(parameters, types.GeneratorType)
-        parameters = list(parameters)
+        parameters = _as_tensor_list(parameters, "clip_grad_norm_")
         if is_generator and len(parameters) == 0:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    names, _params, grads = _named_grads(parameters)
+    names, _params, grads = _grads_of(parameters, "clip_grad_norm_")
     return _clip(names, grads, _check_max_norm(max_norm), _check_norm_type(norm_type),
-                 error_if_nonfinite).total_norm
+                 error_if_nonfinite, slow_path=True).total_norm
+
+
+@torch.no_grad()
+def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """Drop-in for :func:`torch.nn.utils.get_total_norm`: the norm of ``tensors`` (a tensor or
+    an iterable of them, e.g. gradients), viewed as one vector; a 0-d tensor in their dtype (a
+    DTensor for DTensors). With :func:`clip_grads_with_norm_` it splits ``clip_grad_norm_``::
+
+        total = gradfuse.get_total_norm([p.grad for p in model.parameters()])
+        gradfuse.clip_grads_with_norm_(model.parameters(), max_norm=1.0, total_norm=total)
+    """
+    del foreach
+    tensors = _as_tensor_list(tensors, "get_total_norm")
+    names = [f"[{i}]" for i in range(len(tensors))]
+    try:
+        s = _fused_stats(names, tensors, _check_norm_type(norm_type), slow_path=True)
+    except (AttributeError, TypeError, RuntimeError):
+        bad = next((i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)), None)
+        if bad is None:
+            raise
+        raise ParametersTypeError(f"gradfuse.get_total_norm: tensors[{bad}] is "
+                                  f"{type(tensors[bad]).__name__}, not a tensor") from None
+    if tensors and error_if_nonfinite:
+        _raise_if_nonfinite(s)
+    return s.total_norm
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
+                          foreach: bool | None = None) -> None:
+    """Drop-in for :func:`torch.nn.utils.clip_grads_with_norm_`: scales the gradients of
+    ``parameters`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``, touching them only
+    when that is below 1. ``total_norm`` may be a DTensor (from :func:`get_total_norm`)."""
+    del foreach
+    parameters = _as_tensor_list(parameters, "clip_grads_with_norm_")
+    _names, _params, grads = _grads_of(parameters, "clip_grads_with_norm_")
+    max_norm = _check_max_norm(max_norm)
+    if not grads:
+        return
+    total_norm = total_norm if distributed.is_plain(total_norm) else distributed.full_value(total_norm)
+    _scale_(grads, torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
 @torch.no_grad()

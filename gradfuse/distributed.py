@@ -9,6 +9,9 @@
   and the non-finite count are reduced over the group in one collective; per-parameter rows stay
   with the rank that owns them.
 - DDP needs nothing: its gradients are already all-reduced, the same on every rank.
+- The total norm of DTensor gradients is returned as a DTensor, as torch.nn.utils returns it
+  (``total_norm_spec``): every rank holds the full value locally, so wrapping it communicates
+  nothing.
 
 Collectives are issued with ``async_op=True`` and waited on together; on NCCL a wait orders the
 current stream and does not block the host.
@@ -57,15 +60,26 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t if is_plain(t) or not isinstance(t, _dtensor_class()) else t.to_local()
 
 
-def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, start: int, stop: int):
+def full_value(t) -> torch.Tensor:
+    """A plain tensor holding the whole of ``t`` (a DTensor: ``full_tensor()``, which
+    communicates only for Shard or Partial placements)."""
+    if isinstance(t, torch.Tensor) and not is_plain(t) and isinstance(t, _dtensor_class()):
+        return t.full_tensor()
+    return torch.as_tensor(t)
+
+
+def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, start: int, stop: int,
+                        norm_type: float = 2.0):
     """Rows [start, stop) belong to gradients sharded by ``layout``: returns them reduced over
-    the sharded mesh dimensions, as (floats, counts) of the full gradients."""
+    the sharded mesh dimensions, as (floats, counts) of the full gradients. For norm_type -inf
+    the POWSUM column is a minimum: it travels negated with the maxima (no third collective)."""
     import torch.distributed as dist
 
     mesh, dims = layout
     f, c = floats[start:stop], counts[start:stop]
+    min_column = norm_type == -math.inf
     sums = torch.cat([f[:, SUM:SUMSQ + 1], f[:, POWSUM:POWSUM + 1], c.to(torch.float64)], dim=1)
-    maxes = f[:, MAXABS].contiguous()
+    maxes = torch.stack([f[:, MAXABS], -f[:, POWSUM]], dim=1) if min_column else f[:, MAXABS].contiguous()
     for d in dims:  # reducing over each sharded dimension in turn reduces over their product
         group = mesh.get_group(mesh_dim=d)
         works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
@@ -74,8 +88,14 @@ def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, star
             w.wait()
     c_out = sums[:, 3:].round().to(torch.int64)
     # A backend's MAX may drop NaN; the summed NaN count puts it back.
-    maxes = torch.where(c_out[:, NAN] > 0, torch.full_like(maxes, math.nan), maxes)
-    f_out = torch.stack([sums[:, 0], sums[:, 1], maxes, sums[:, 2]], dim=1)
+    has_nan = c_out[:, NAN] > 0
+    if min_column:
+        maxabs = torch.where(has_nan, math.nan, maxes[:, 0])
+        powsum = torch.where(has_nan, math.nan, -maxes[:, 1])
+    else:
+        maxabs = torch.where(has_nan, torch.full_like(maxes, math.nan), maxes)
+        powsum = sums[:, 2]
+    f_out = torch.stack([sums[:, 0], sums[:, 1], maxabs, powsum], dim=1)
     return f_out, c_out
 
 
@@ -84,10 +104,39 @@ def reduce_over_group(acc: torch.Tensor, nonfinite_count: torch.Tensor, norm_typ
     in one collective."""
     import torch.distributed as dist
 
+    # -inf: the accumulator is a minimum; reduce it negated with MAX.
+    sign = -1.0 if norm_type == -math.inf else 1.0
     # A backend's MAX may drop NaN: carry "this rank's accumulator is NaN" beside it.
-    packed = torch.stack([acc.to(torch.float64), torch.isnan(acc).to(torch.float64),
+    packed = torch.stack([acc.to(torch.float64) * sign, torch.isnan(acc).to(torch.float64),
                           nonfinite_count.to(torch.float64)])
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     dist.all_reduce(packed, op=op, group=group, async_op=True).wait()
-    acc = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+    acc = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0] * sign)
     return acc, packed[2] > 0
+
+
+def total_norm_spec(tensors: list[torch.Tensor], layouts: list, norm_type: float):
+    """(mesh, placements) of the total norm as torch.nn.utils returns it for DTensor gradients,
+    or None when there is none: on the first DTensor gradient's mesh, Replicate on every mesh
+    dimension, except Partial(max) / Partial(min) for norm_type inf / -inf on the dimensions
+    where some gradient is sharded (torch leaves those unreduced until someone asks)."""
+    from torch.distributed.tensor import Partial, Replicate
+    dtensor = _dtensor_class()
+    first = next((t for t in tensors if isinstance(t, dtensor)), None)
+    if first is None:
+        return None
+    mesh = first.device_mesh
+    sharded = set()
+    if math.isinf(norm_type):
+        for layout in layouts:
+            if layout is not None and layout[0] == mesh:
+                sharded.update(layout[1])
+    partial = Partial("max" if norm_type > 0 else "min")
+    return mesh, tuple(partial if d in sharded else Replicate() for d in range(mesh.ndim))
+
+
+def as_dtensor(total: torch.Tensor, spec) -> torch.Tensor:
+    """``total`` (the full value, the same on every rank) as the DTensor ``spec`` describes; no
+    communication."""
+    mesh, placements = spec
+    return _dtensor_class().from_local(total, mesh, placements, run_check=False)

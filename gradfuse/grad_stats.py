@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from gradfuse.distributed import as_dtensor
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
 
 
@@ -40,7 +41,11 @@ class GradStats:
     In total (0-d tensors): ``total_norm`` (of order ``norm_type``, in the gradients' dtype as
     ``clip_grad_norm_`` returns it), ``nonfinite`` (any NaN or Inf element in any gradient),
     and after :func:`gradfuse.clip_` also ``clip_coef`` (the factor applied, at most 1) and
-    ``clipped``.
+    ``clipped``. Like torch.nn.utils, the total norm of gradients is the norm of their
+    norms: for ``norm_type=0`` that is the number of parameters with a non-zero gradient element
+    (:func:`gradfuse.tensor_stats` counts the non-zero elements; so does ``norm(0).sum()``).
+    For DTensor gradients ``total_norm`` is a DTensor with the placements torch gives it
+    (``.full_tensor()`` reads it).
 
     ``scope`` is ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
     rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
@@ -49,14 +54,17 @@ class GradStats:
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
                  norm_type: float, total_norm: torch.Tensor,
                  clip_coef: torch.Tensor | None = None, max_norm: float | None = None,
-                 group_nonfinite: torch.Tensor | None = None):
+                 group_nonfinite: torch.Tensor | None = None, dtensor_spec=None):
         self.names = names
         # With group= (pipeline stages): rows are this rank's parameters, while total_norm and
         # nonfinite cover the whole group.
         self.scope = "rank" if group_nonfinite is not None else "all"
         self._group_nonfinite = group_nonfinite
         self.norm_type = norm_type
-        self.total_norm = total_norm
+        # _total: a plain tensor, the full value on every rank; what gradfuse computes with.
+        self._total = total_norm
+        self._dtensor_spec = dtensor_spec
+        self.total_norm = total_norm if dtensor_spec is None else as_dtensor(total_norm, dtensor_spec)
         self.clip_coef = clip_coef
         self.max_norm = max_norm
         self._floats = floats  # [n, 4] float64, columns as in gradfuse.reference
@@ -67,8 +75,9 @@ class GradStats:
     def _replace(self, **changes) -> "GradStats":
         """A copy with some constructor arguments changed (the derived values are recomputed)."""
         args = dict(names=self.names, floats=self._floats, counts=self._counts,
-                    norm_type=self.norm_type, total_norm=self.total_norm, clip_coef=self.clip_coef,
-                    max_norm=self.max_norm, group_nonfinite=self._group_nonfinite)
+                    norm_type=self.norm_type, total_norm=self._total, clip_coef=self.clip_coef,
+                    max_norm=self.max_norm, group_nonfinite=self._group_nonfinite,
+                    dtensor_spec=self._dtensor_spec)
         args.update(changes)
         return GradStats(**args)
 
@@ -121,26 +130,29 @@ class GradStats:
         return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
 
     def norm(self, norm_type: float | None = None) -> torch.Tensor:
-        """Per-parameter norm of order ``norm_type`` (default: this object's), float64. Orders
-        other than 0, 2 and inf need the stats to have been taken with that ``norm_type``."""
+        """Per-parameter norm of order ``norm_type`` (default: this object's), float64, as
+        ``torch.linalg.vector_norm`` of each gradient. Orders other than 0, 2 and inf need the
+        stats to have been taken with that ``norm_type``."""
         p = self.norm_type if norm_type is None else float(norm_type)
         if p == 2.0:
             return self.l2
-        if math.isinf(p) and p > 0:
+        if p == math.inf:
             return self.linf
         if p == 0.0:
             return (self.numel - self.zero_count).to(torch.float64)
         if p != self.norm_type:
             raise ValueError(f"per-parameter norms of order {p} need gradfuse.stats(..., "
                              f"norm_type={p}); these stats were taken with norm_type={self.norm_type}")
-        return self._floats[:, POWSUM] if p == 1.0 else self._floats[:, POWSUM].pow(1.0 / p)
+        if p == 1.0 or p == -math.inf:  # POWSUM holds sum |x| / min |x|
+            return self._floats[:, POWSUM]
+        return self._floats[:, POWSUM].pow(1.0 / p)
 
     # Host side: one transfer, cached.
     def _host(self) -> dict:
         if self._host_cache is None:
             n = len(self.names)
             dev = self._floats.device
-            scalars = [self.total_norm.to(dev, torch.float64).reshape(1),
+            scalars = [self._total.to(dev, torch.float64).reshape(1),
                        self.nonfinite.to(dev, torch.float64).reshape(1)]
             if self.clip_coef is not None:
                 scalars.append(self.clip_coef.to(dev, torch.float64).reshape(1))
@@ -253,4 +265,4 @@ def _sort_key(v: float):
 
 
 def _order(p: float) -> str:
-    return "inf" if math.isinf(p) else f"{p:g}"
+    return f"{p:g}"  # inf, -inf, 2, 0.5

@@ -1,4 +1,6 @@
 """Code run in each process of the distributed tests (spawned by test_distributed.py)."""
+import contextlib
+import copy
 import math
 import traceback
 
@@ -9,9 +11,44 @@ from torch import nn
 import gradfuse
 
 
+def full(t):
+    """A DTensor's full value (a collective: call on every rank), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def close(a, b, rtol=1e-5, atol=1e-8):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
-                               torch.as_tensor(b, dtype=torch.float64), rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(torch.as_tensor(full(a), dtype=torch.float64),
+                               torch.as_tensor(full(b), dtype=torch.float64), rtol=rtol, atol=atol,
+                               equal_nan=True)
+
+
+@contextlib.contextmanager
+def counting_all_reduces():
+    """Counts torch.distributed.all_reduce calls (gradfuse.distributed looks it up per call)."""
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+def assert_total_like_torch(ours, theirs):
+    """The total norm as torch returns it for DTensor gradients: a DTensor, same mesh and
+    placements, same full value."""
+    from torch.distributed.tensor import DTensor
+    assert isinstance(ours, DTensor), type(ours)
+    assert ours.placements == theirs.placements, (ours.placements, theirs.placements)
+    assert ours.device_mesh == theirs.device_mesh
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    close(ours.full_tensor(), theirs.full_tensor())
 
 
 def full_grads(seed=0):
@@ -61,8 +98,8 @@ def check_dtensor(rank, world):
     # (it cannot mix DTensors with plain tensors: compare on the DTensors)
     ours = [p for n, p in dtensor_params(mesh, grads, rank) if n != "e"]
     theirs = [p for n, p in dtensor_params(mesh, grads, rank) if n != "e"]
-    t_total = nn.utils.clip_grad_norm_(theirs, 0.1).full_tensor()
-    close(gradfuse.clip_grad_norm_(ours, 0.1), t_total)
+    t_total = nn.utils.clip_grad_norm_(theirs, 0.1)
+    assert_total_like_torch(gradfuse.clip_grad_norm_(ours, 0.1), t_total)
     for a, b in zip(ours, theirs):
         close(a.grad.to_local(), b.grad.to_local())
     # NaN in one rank's shard only: every rank sees it
@@ -126,12 +163,115 @@ def check_fsdp2(rank, world):
         close(s.l2[i], ref.l2[j])
         assert s.numel[i].item() == ref.numel[j].item()
     t_total = nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    t_total = t_total.full_tensor() if hasattr(t_total, "full_tensor") else t_total
-    close(gradfuse.clip_(model, max_norm=1e-3).total_norm, t_total)
+    assert_total_like_torch(gradfuse.clip_(model, max_norm=1e-3).total_norm, t_total)
     close(nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor(), 1e-3, rtol=1e-4)
+    # the monitor clips the shards too (its policy flag reads the DTensor total)
+    report = gradfuse.GradMonitor(model, max_norm=1e-4, explode_threshold=1e9).step()
+    assert not report.skip and not report.anomalies
+    close(nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor(), 1e-4, rtol=2e-3)
 
 
-CHECKS = {"dtensor": check_dtensor, "group": check_group, "fsdp2": check_fsdp2}
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):  # tanh: no gradient element is exactly 0, so negative orders are not 0
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def check_fsdp2_clip(rank, world):
+    """PyTorch's FSDP2 clip-grad-norm test (test_fully_shard_clip_grad_norm_.py) with gradfuse
+    clipping the sharded model: against a full replica clipped by torch, for orders beyond
+    torch's (2, 1, inf); the total norm a DTensor placed as torch places it; 2 collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for norm_type in (2.0, 1.0, math.inf, 0.0, -1.0, -math.inf):
+        torch.manual_seed(42)
+        # no empty shard on 4 ranks: torch's inf norm raises on one (gradfuse's does not)
+        model = nn.Sequential(nn.Linear(6, 8), Block(8), Block(8), nn.Linear(8, 4))
+        ref_model = copy.deepcopy(model)
+        for block in (model[1], model[2]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(42 + rank + 1)
+        for _ in range(2):
+            inp = torch.randn(4, 6)
+            ref_model.zero_grad()
+            model.zero_grad()
+            ref_model(inp).sum().backward()
+            model(inp).sum().backward()
+            for p in ref_model.parameters():  # what replicate()/DDP does: average over ranks
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            ref_grads = [p.grad.detach().clone() for p in ref_model.parameters()]
+            local_grads = [p.grad.to_local().detach().clone() for p in model.parameters()]
+            for ref_grad, param in zip(ref_grads, model.parameters()):
+                close(ref_grad, param.grad.full_tensor())
+            ref_total = nn.utils.get_total_norm(ref_grads, norm_type)
+            max_norm = float(ref_total) / 2  # clipping is never vacuous
+            t_total = nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+            close(nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm, norm_type), ref_total)
+            with counting_all_reduces() as calls:
+                total = gradfuse.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+            assert len(calls) == 2, calls  # one sharded layout on one mesh dimension
+            assert_total_like_torch(total, t_total)
+            close(total.full_tensor(), ref_total)
+            for param, ref_param, local in zip(model.parameters(), ref_model.parameters(), local_grads):
+                close(param.grad.full_tensor(), ref_param.grad)
+                if bool((local != 0).any()):
+                    assert not torch.equal(param.grad.to_local(), local)
+
+
+def check_mesh2d(rank, world):
+    """A 2-d mesh (data x tensor parallel) with gradients sharded on either, both or neither
+    dimension: placements (Partial(max)/Partial(min) for +-inf where some gradient is sharded),
+    values and clipped shards as torch's; 2 collectives per sharded layout and dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world // 2, 2))
+    layouts = {"a": [Shard(0), Replicate()], "b": [Shard(0), Shard(1)],
+               "c": [Replicate(), Shard(0)], "d": [Replicate(), Replicate()]}
+    g = torch.Generator().manual_seed(7)
+    full_grads = {n: torch.randn(6, 4, generator=g) for n in layouts}
+
+    def params():
+        out = []
+        for n, layout in layouts.items():
+            p = nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, layout))
+            p.grad = distribute_tensor(full_grads[n].clone(), mesh, layout)
+            out.append(p)
+        return out
+
+    expected_all_reduces = 2 * (1 + 2 + 1)  # layouts a, b (two sharded dims), c; d is replicated
+    for norm_type in (2.0, math.inf, -math.inf, 1.0, 0.0, -1.0, 3.0):
+        ref = nn.utils.get_total_norm(list(full_grads.values()), norm_type)
+        ours, theirs = params(), params()
+        t_total = nn.utils.clip_grad_norm_(theirs, float(ref) / 2, norm_type)
+        with counting_all_reduces() as calls:
+            total = gradfuse.clip_grad_norm_(ours, float(ref) / 2, norm_type)
+        assert len(calls) == expected_all_reduces, calls
+        assert_total_like_torch(total, t_total)
+        close(total.full_tensor(), ref)
+        for a, b, before in zip(ours, theirs, params()):
+            close(a.grad.to_local(), b.grad.to_local())
+            assert not torch.equal(a.grad.to_local(), before.grad.to_local())  # it clipped
+        s = gradfuse.stats(params(), norm_type=norm_type)
+        assert_total_like_torch(s.total_norm, t_total)
+        assert_total_like_torch(gradfuse.clip_(params(), 1.0, norm_type).total_norm, t_total)
+        assert_total_like_torch(gradfuse.get_total_norm([p.grad for p in params()], norm_type),
+                                t_total)
+        # the split: a DTensor total norm from either library scales the shards as torch
+        for total_norm in (total, t_total):
+            split = params()
+            gradfuse.clip_grads_with_norm_(split, float(ref) / 2, total_norm)
+            for a, b in zip(split, theirs):
+                close(a.grad.to_local(), b.grad.to_local())
+
+
+CHECKS = {"dtensor": check_dtensor, "group": check_group, "fsdp2": check_fsdp2,
+          "fsdp2_clip": check_fsdp2_clip, "mesh2d": check_mesh2d}
 
 
 def worker(rank, world, init_file, checks, result_dir):

@@ -39,3 +39,11 @@ def test_group_pipeline_stages(results):
 
 def test_fsdp2_fully_shard_end_to_end(results):
     _check(results, "fsdp2")
+
+
+def test_fsdp2_clip_grad_norm_as_torch(results):
+    _check(results, "fsdp2_clip")
+
+
+def test_2d_mesh_total_norm_placements_and_collectives(results):
+    _check(results, "mesh2d")
