@@ -8,13 +8,14 @@ from gradfuse._ext import backend, build_info
 from gradfuse.amp import unscale_clip_
 from gradfuse.api import clip_, clip_grad_norm_, stats, tensor_stats
 from gradfuse.grad_stats import GradStats
+from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
 from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
                             WandbSink)
 
 __version__ = "0.1.0"
 
-__all__ = ["GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
+__all__ = ["Attachment", "GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
            "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink",
-           "backend", "build_info", "clip_", "clip_grad_norm_", "stats", "tensor_stats",
+           "attach", "backend", "build_info", "clip_", "clip_grad_norm_", "stats", "tensor_stats",
            "unscale_clip_", "__version__"]
