@@ -183,6 +183,40 @@ def test_without_the_norm_call_the_monitor_runs_before_the_optimizer_step(tmp_pa
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+class PlantAt(TrainerCallback):
+    """Multiplies a gradient during the backward of given updates (inf: an fp16 overflow; a big
+    number: an explosion)."""
+
+    def __init__(self, factors):
+        self.factors, self.factor = factors, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def plant(param):
+            if self.factor is not None:
+                param.grad.mul_(self.factor)
+        model.transformer.h[0].attn.c_attn.weight.register_post_accumulate_grad_hook(plant)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.factor = self.factors.get(state.global_step)
+
+
+def test_grad_scaler_overflow_and_skip_keep_the_scaler_consistent(tmp_path):
+    """With accelerate's GradScaler (fp16 needs a GPU, so a CPU scaler is put in by hand): an
+    overflow is the scaler's (not an anomaly), and a step gradfuse skips still gets the scaler's
+    bookkeeping, so the next steps unscale and step normally."""
+    trainer, opt = make_trainer(tmp_path, 1.0, accumulate=1, max_steps=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer.accelerator.scaler = scaler  # before train(): prepare() hands it to the optimizer
+    trainer.add_callback(PlantAt({1: math.inf, 3: 1e9}))
+    cb = attach(trainer, explode_threshold=1e6)
+    train(trainer)
+    m = cb.monitor
+    assert (m.amp_overflow_steps, m.anomaly_steps, m.explode_steps, m.skipped_steps) == (1, 1, 1, 1)
+    assert len(opt.stepped_grads) == 3  # the overflow (scaler) and the explosion (gradfuse) skipped
+    assert scaler.get_scale() == 2.0**7
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def test_callbacks_list_needs_attach():
     with pytest.raises(TypeError):
         GradfuseCallback()  # it needs the Trainer: use attach(trainer)
