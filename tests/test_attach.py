@@ -224,3 +224,18 @@ def test_names_without_model_come_from_the_optimizer():
     loss_of(model, *batches(1)[0]).backward()
     opt.step()
     assert handle.last_report.stats.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_unscale_clip_names_parameters_without_names_by_param():
+    """unscale_clip_ used to name rows group0.N unless names_by_param= was given."""
+    model = make_model()
+    x, y = batches(1)[0]
+    for opt, kw, expected in [
+            (torch.optim.SGD(model.named_parameters(), lr=0.1), {}, "0.weight"),  # the optimizer's names
+            (torch.optim.SGD(model.parameters(), lr=0.1), {"names_by_param": model}, "0.weight"),
+            (torch.optim.SGD(model.parameters(), lr=0.1), {}, "group0.0")]:
+        scaler = torch.amp.GradScaler("cpu")
+        model.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        s = gradfuse.unscale_clip_(opt, scaler, max_norm=1.0, **kw)
+        assert s.names[0] == expected and len(s.names) == 4

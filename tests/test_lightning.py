@@ -111,7 +111,6 @@ def fit(callbacks, accumulate=1, batches=8, precision=None, plugins=None, ckpt_p
     model = model or Tiny()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*skipped.*", RuntimeWarning)
         trainer.fit(model, loader(batches), ckpt_path=ckpt_path)
     return trainer, model, logger
 
@@ -143,7 +142,9 @@ def test_clip_matches_lightnings_own_and_accumulation(accumulate):
 
 def test_planted_nan_is_skipped_and_logged():
     probe, cb = Probe(nan_batch=3), GradfuseCallback(max_norm=1.0)
-    trainer, _, logger = fit([probe, cb], log_every_n_steps=50)
+    with pytest.warns(RuntimeWarning, match=r"step 3: optimizer step skipped: .*net\.2\.weight \(nan=1") as rec:
+        trainer, _, logger = fit([probe, cb], log_every_n_steps=50)
+    assert [w.filename for w in rec if "skipped" in str(w.message)] == [__file__]  # the fit() line
     # Batch 3 changed nothing (parameters, AdamW moments and step count); the others did.
     assert probe.changed == [True, True, True, False, True, True, True, True]
     assert len(probe.stepped_grads) == 7

@@ -217,6 +217,30 @@ def test_grad_scaler_overflow_and_skip_keep_the_scaler_consistent(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_layers_of_gpt2_bert_t5_are_their_blocks():
+    """The default grouping gives one row per transformer block, not one for all of them."""
+    import gradfuse
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+    small = dict(vocab_size=64)
+    models = {
+        "gpt2": tiny_gpt2(),
+        "bert": BertForMaskedLM(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=32, max_position_embeddings=16, **small)),
+        "t5": T5ForConditionalGeneration(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                                  num_decoder_layers=2, num_heads=2, decoder_start_token_id=0,
+                                                  **small)),
+    }
+    ids = torch.randint(0, 64, (2, 8))
+    for model in models.values():
+        kw = {"decoder_input_ids": ids} if model.config.model_type == "t5" else {}
+        model(input_ids=ids, labels=ids, **kw).loss.backward()
+    layers = {k: set(gradfuse.stats(m).layers()) for k, m in models.items()}
+    assert {"transformer.h.0", "transformer.h.1", "transformer.wte", "transformer.ln_f"} <= layers["gpt2"]
+    assert {"bert.encoder.layer.0", "bert.encoder.layer.1", "bert.embeddings.word_embeddings"} <= layers["bert"]
+    assert {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "shared"} <= layers["t5"]
+    assert not any(name in layers["gpt2"] for name in ("transformer.h", "transformer"))
+
+
 def test_callbacks_list_needs_attach():
     with pytest.raises(TypeError):
         GradfuseCallback()  # it needs the Trainer: use attach(trainer)
