@@ -135,7 +135,7 @@ class GradMonitor:
             raise ValueError(f"gradfuse.GradMonitor: explode_threshold must be > 0, got {explode_threshold!r}")
         if every < 0:
             raise ValueError(f"gradfuse.GradMonitor: every must be >= 0, got {every}")
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, (nn.Module, torch.Tensor)):
             model = list(model)  # iterated every step
         self.source = model
         self.max_norm = None if max_norm is None else _check_max_norm(max_norm)
@@ -151,7 +151,8 @@ class GradMonitor:
         self.optimizer = optimizer
         if optimizer is not None and scaler is None:
             raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
-        named = model.named_parameters() if isinstance(model, nn.Module) else model
+        named = model.named_parameters() if isinstance(model, nn.Module) else (
+            [] if isinstance(model, torch.Tensor) else model)
         self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
         self.enabled = enabled
         self.step_count = start_step
