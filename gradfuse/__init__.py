@@ -9,14 +9,15 @@ from gradfuse.amp import unscale_clip_
 from gradfuse.api import (clip_, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, stats,
                           tensor_stats)
 from gradfuse.grad_stats import GradStats
+from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
 from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
                             WandbSink)
 
 __version__ = "0.1.0"
 
-__all__ = ["GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
+__all__ = ["Attachment", "GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
            "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink",
-           "backend", "build_info", "clip_", "clip_grad_norm_", "clip_grads_with_norm_",
+           "attach", "backend", "build_info", "clip_", "clip_grad_norm_", "clip_grads_with_norm_",
            "get_total_norm", "stats", "tensor_stats",
            "unscale_clip_", "__version__"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from gradfuse import ops
 from gradfuse.api import (_check_max_norm, _check_norm_type, _fused_stats, _groups,
@@ -31,15 +32,21 @@ def _optimizer_state(scaler, optimizer) -> dict:
     return state
 
 
-def optimizer_named_grads(optimizer, names_by_param: dict | None = None):
-    """(names, gradients) of the optimizer's parameters that have one; names from
-    ``names_by_param`` (id(param) -> name) where given, else ``group{g}.{i}``."""
+def optimizer_named_grads(optimizer, names_by_param: nn.Module | dict | None = None):
+    """(names, gradients) of the optimizer's parameters that have one. Names: from
+    ``names_by_param`` (a module, whose ``named_parameters()`` name them, or a dict
+    id(param) -> name); else the names the optimizer was built with
+    (``torch.optim.X(model.named_parameters())``); else ``group{g}.{i}``."""
+    if isinstance(names_by_param, nn.Module):
+        names_by_param = {id(p): n for n, p in names_by_param.named_parameters()}
     names, grads = [], []
     for g, group in enumerate(optimizer.param_groups):
+        own_names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            names.append((names_by_param or {}).get(id(p), f"group{g}.{i}"))
+            name = (names_by_param or {}).get(id(p))
+            names.append(name or (own_names[i] if own_names else f"group{g}.{i}"))
             grads.append(p.grad)
     return names, grads
 
@@ -85,15 +92,19 @@ def finish_unscale_(scaler, optimizer, grads, s: GradStats, inv_scale: torch.Ten
 
 @torch.no_grad()
 def unscale_clip_(optimizer: torch.optim.Optimizer, scaler, max_norm: float | None = None,
-                  norm_type: float = 2.0, names_by_param: dict | None = None) -> GradStats:
+                  norm_type: float = 2.0, names_by_param: nn.Module | dict | None = None) -> GradStats:
     """``scaler.unscale_(optimizer)``, statistics and (with ``max_norm``) clipping, fused: one
     read and one write of the gradients. Returns the statistics of the unscaled gradients, from
     before clipping. Then call ``scaler.step(optimizer)`` and ``scaler.update()`` as usual::
 
         scaler.scale(loss).backward()
-        s = gradfuse.unscale_clip_(optimizer, scaler, max_norm=1.0)
+        s = gradfuse.unscale_clip_(optimizer, scaler, max_norm=1.0, names_by_param=model)
         scaler.step(optimizer)
         scaler.update()
+
+    Parameters are named by ``names_by_param`` (the model, or a dict id(param) -> name), else by
+    the names the optimizer was built with (``AdamW(model.named_parameters())``), else
+    ``group{g}.{i}``.
     """
     p = _check_norm_type(norm_type)
     max_norm = None if max_norm is None else _check_max_norm(max_norm)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.monitor import GradMonitor
 from gradfuse.sinks import JsonlSink
 
 
@@ -77,7 +76,8 @@ def timing_table(named_params, repeats):
     return "\n".join(lines)
 
 
-def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: int = 0) -> dict:
+def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: int = 0,
+        timing: bool = True) -> dict:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     seq, batch = 12, 64
@@ -87,8 +87,12 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
     log_path = os.path.join(out_dir, "run.jsonl")
     if os.path.exists(log_path):
         os.remove(log_path)  # the demo starts a fresh log each time
-    mon = GradMonitor(model, max_norm=1.0, every=max(steps // 40, 1), on_nonfinite="skip",
-                      explode_threshold=1e3, on_explode="warn", sinks=[JsonlSink(log_path)])
+    # One line: statistics, clip and policies run inside every opt.step() below. The explosion
+    # threshold is a circuit breaker: that step is skipped, not applied in a clipped form.
+    handle = gradfuse.attach(opt, model, max_norm=1.0, every=max(steps // 40, 1),
+                             on_nonfinite="skip", explode_threshold=1e3, on_explode="skip",
+                             sinks=[JsonlSink(log_path)])
+    mon = handle.monitor
     spike_step, nan_step = steps // 3, (2 * steps) // 3
     caught = []
     loss_first = loss_last = None
@@ -103,22 +107,20 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
             model.layers[1].linear1.weight.grad[3, 5] = float("nan")
         with warnings.catch_warnings():  # the demo prints what the monitor caught below
             warnings.simplefilter("ignore", RuntimeWarning)
-            report = mon.step()
+            opt.step()  # gradfuse runs first, and may skip the update
+        opt.zero_grad()
+        report = handle.last_report
         if report.anomalies:
             action = "skipped the optimizer step" if report.skip else "clipped and went on"
             caught.append(f"step {report.step}: {', '.join(report.anomalies)} -> {action}\n    {report.message}")
-        if report.skip:
-            opt.zero_grad()
-            continue
-        opt.step()
-        opt.zero_grad()
-        loss_first = loss.item() if loss_first is None else loss_first
-        loss_last = loss.item()
+        if not report.skip:
+            loss_first = loss.item() if loss_first is None else loss_first
+            loss_last = loss.item()
     # One more backward for a table of the final gradients.
     x, y = sorting_batch(batch, seq, gen)
     nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     final = gradfuse.stats(model)
-    mon.close()
+    handle.detach()  # logs the last step, closes the log
     print(f"\nloss {loss_first:.3f} -> {loss_last:.3f}; the monitor caught:")
     print("\n".join("  " + c for c in caught) or "  nothing")
     print(f"  skipped steps: {mon.skipped_steps}, clipped steps: {mon.clipped_steps}, "
@@ -133,10 +135,15 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
         print(f"\n(no picture: {e})")
     print(f"\nlog: {log_path}" + (f"\npicture: {picture}" if picture else ""))
 
+    if timing:
+        print_timing(tiny)
+    return {"caught": caught, "skipped": mon.skipped_steps, "log": log_path, "picture": picture,
+            "loss_first": loss_first, "loss_last": loss_last}
+
+
+def print_timing(tiny: bool) -> None:
     from gradfuse.workloads import gpt2_small, make_grads
     shapes = gpt2_small(layers=1, vocab=1000, ctx=64) if tiny else gpt2_small()
     label = "a 1-layer GPT-2 slice" if tiny else "GPT-2 small (124M fp32 gradients, 148 tensors)"
     print(f"\ntiming on {label}, {torch.get_num_threads()} CPU threads, median of repeats:")
     print(timing_table(make_grads(shapes), repeats=3 if tiny else 7))
-    return {"caught": caught, "skipped": mon.skipped_steps, "log": log_path, "picture": picture,
-            "loss_first": loss_first, "loss_last": loss_last}

@@ -192,10 +192,12 @@ class GradStats:
             "params": params,
         }
 
-    def layers(self, depth: int = 2) -> dict[str, dict]:
-        """Statistics aggregated by module prefix of ``depth`` name parts (``layers.3`` for
-        ``layers.3.attn.weight`` at depth 2), from the fused per-parameter results (no new pass):
-        l2 of the concatenated gradients, max linf, summed counts, overall mean and zero fraction."""
+    def layers(self, depth: int | None = None) -> dict[str, dict]:
+        """Statistics aggregated by layer, from the fused per-parameter results (no new pass):
+        l2 of the concatenated gradients, max linf, summed counts, overall mean and zero fraction.
+        A layer is the module path up to the first block index (``transformer.h.3`` for
+        ``transformer.h.3.attn.c_attn.weight``, ``lm_head`` for ``lm_head.weight``), or with
+        ``depth`` the first ``depth`` name parts (``layers.3`` at depth 2)."""
         out: dict[str, dict] = {}
         for name, r in self.to_dict()["params"].items():
             key = layer_of(name, depth)
@@ -253,10 +255,15 @@ class GradStats:
                 f"device={self._floats.device})")
 
 
-def layer_of(name: str, depth: int) -> str:
-    """The module prefix of a parameter name: its first ``depth`` dotted parts, leaving out the
-    parameter's own name (``layers.3.attn.weight`` -> ``layers.3`` at depth 2)."""
+def layer_of(name: str, depth: int | None = None) -> str:
+    """The module prefix of a parameter name, leaving out the parameter's own name: up to and
+    including the first numeric part, a block index (``transformer.h.3.attn.c_attn.weight`` ->
+    ``transformer.h.3``; the whole module path when there is none), or with ``depth`` its first
+    ``depth`` dotted parts (``layers.3.attn.weight`` -> ``layers.3`` at depth 2)."""
     parts = name.split(".")[:-1] or [name]
+    if depth is None:
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+        return ".".join(parts[:index + 1])
     return ".".join(parts[:max(depth, 1)])
 
 

@@ -6,19 +6,30 @@ import os
 from gradfuse.sinks import _require, read_jsonl
 
 
-def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike) -> str:
-    """Draws per-layer L2 norm over steps (log colour), the total norm with the clip threshold
-    and markers where steps were clipped, skipped or non-finite, and per-layer zero fraction
-    (dead units). Returns the path written."""
+def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dpi: int = 110) -> str:
+    """Draws the picture of :func:`gradflow_figure` from a JSONL log into ``out_path`` (PNG).
+    Returns the path written."""
+    records = read_jsonl(jsonl_path)
+    if not records:
+        raise ValueError(f"gradfuse plot: no records in {jsonl_path}")
+    fig = gradflow_figure(records)
+    import matplotlib.pyplot as plt
+    fig.savefig(out_path, dpi=dpi)
+    plt.close(fig)
+    return os.fspath(out_path)
+
+
+def gradflow_figure(records: list[dict]):
+    """A matplotlib figure of GradMonitor records: per-layer L2 norm over steps (log colour), the
+    total norm with the clip threshold and markers at logged steps that were clipped, skipped,
+    non-finite, exploding or AMP overflows (the legend counts every step of the run, from the
+    monitor's counters), and per-layer zero fraction (dead units)."""
     matplotlib = _require("matplotlib", "matplotlib", "plot_gradflow")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
     import numpy as np
 
-    records = read_jsonl(jsonl_path)
-    if not records:
-        raise ValueError(f"gradfuse plot: no records in {jsonl_path}")
     # Events re-log a step already logged; keep one record per step, the last.
     by_step = {}
     for r in records:
@@ -49,9 +60,10 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike) ->
     norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
     # Logged steps need not be evenly spaced (anomalies are logged when they happen): cells span
     # from midpoint to midpoint, so every panel shares the step axis.
+    # The outer cells end at the first and last logged step: the axis covers the steps run.
     if len(steps) > 1:
         mid = (steps[1:] + steps[:-1]) / 2
-        x_edges = np.concatenate([[steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]])
+        x_edges = np.concatenate([[steps[0]], mid, [steps[-1]]])
     else:
         x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
     y_edges = np.arange(len(layers) + 1) - 0.5
@@ -70,15 +82,25 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike) ->
     if max_norm:
         ax.axhline(max_norm, color="tab:orange", ls="--", lw=1, label=f"clip threshold {max_norm:g}")
     finite_top = np.nanmax(np.where(np.isfinite(total), total, np.nan)) if np.isfinite(total).any() else 1.0
-    marks = [("clipped", lambda r: bool(r.get("clipped")), "tab:orange", "v"),
-             ("skipped", lambda r: bool(r.get("skipped")), "tab:purple", "x"),
-             ("non-finite", lambda r: bool(r.get("nonfinite")), "tab:red", "o")]
-    for row, (label, pred, color, marker) in enumerate(marks):  # one height per kind of marker
+    # Markers can only sit on logged steps; the counts come from the monitor's counters, which
+    # cover every step (older logs without counters: counted among the logged records).
+    counters = records[-1].get("counters")
+    marks = [("clipped", "clipped_steps", lambda r: bool(r.get("clipped")), "tab:orange", "v"),
+             ("skipped", "skipped_steps", lambda r: bool(r.get("skipped")), "tab:purple", "x"),
+             ("non-finite", "nonfinite_steps", lambda r: "nonfinite" in r.get("anomalies", ()), "tab:red", "o"),
+             ("exploded", "explode_steps", lambda r: "explode" in r.get("anomalies", ()), "tab:brown", "^"),
+             ("AMP overflow", "amp_overflow_steps", lambda r: "amp_overflow" in r.get("anomalies", ()),
+              "tab:gray", "s")]
+    for row, (label, counter, pred, color, marker) in enumerate(marks):  # one height per kind
         xs = [r["step"] for r in records if pred(r)]
-        if xs:
+        total_count = counters.get(counter, 0) if counters else 0
+        count = f"{total_count} of {counters['steps']} steps" if counters else f"{len(xs)} logged"
+        if xs or total_count:
             ax.scatter(xs, [finite_top * 4 ** (row + 1)] * len(xs), color=color, marker=marker, s=25,
-                       label=f"{label} ({len(xs)})", zorder=3)
+                       label=f"{label}: {count}", zorder=3)
+    ax.set_xlim(x_edges[0], x_edges[-1])
     ax.set_ylabel("total norm")
+    ax.set_title("total norm; markers on logged steps, counts over all steps", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=5, frameon=False)
     ax.grid(True, which="both", alpha=0.2)
 
@@ -90,6 +112,4 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike) ->
     ax.set_xlabel("step")
     fig.colorbar(im, cax=bars[2])
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return os.fspath(out_path)
+    return fig

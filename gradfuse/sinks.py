@@ -1,9 +1,13 @@
 """Where GradMonitor records go. A sink is any object with ``write(record: dict)``; optional
-``close()`` and ``last_step()`` (for resuming). Optional dependencies are imported on first use.
+``close()``, and ``last_step()`` (the last step it holds, so a monitor can warn before numbering
+steps twice). Optional dependencies are imported on first use. A sink may raise: the monitor
+catches it, warns once and retries with a back-off (see ``GradMonitor.write``).
 
 A record (one per logged step or anomaly) holds: step, total_norm, norm_type, max_norm,
-clip_coef, clipped, nonfinite, skipped, anomalies, message, event, params (per-parameter
-statistics) and layers (per-layer aggregates).
+clip_coef, clipped, nonfinite, skipped, anomalies, message, event, counters (the run's totals so
+far: steps, clipped_steps, skipped_steps, anomaly_steps, nonfinite_steps, explode_steps,
+amp_overflow_steps, dropped_records), params (per-parameter statistics) and layers (per-layer
+aggregates).
 """
 from __future__ import annotations
 
@@ -22,43 +26,82 @@ def _require(module: str, pip_name: str, what: str):
 
 
 class JsonlSink:
-    """Appends one JSON object per record to ``path``: safe to read while training, and to resume.
+    """Appends one JSON object per record to ``path``: safe to read while training.
 
-    Each record is written as one line and flushed; ``fsync=True`` also forces it to disk. On
-    opening an existing file a torn last line (a crash mid-write) is set apart with a newline, and
-    :meth:`last_step` tells a resumed :class:`GradMonitor` where to continue. NaN and Inf are
-    written as the JSON extensions ``NaN`` / ``Infinity``, which Python's json reads back.
+    Each record is one ``write`` of one line to an unbuffered file (``fsync=True`` also forces it
+    to disk). A path that cannot be opened fails here, at construction, not at the first logged
+    step. A line torn by a crash or a failed write (a full disk) is set apart with a newline
+    before the next record, and :func:`read_jsonl` skips it. NaN and Inf are written as the JSON
+    extensions ``NaN`` / ``Infinity``, which Python's json reads back. :meth:`last_step` is the
+    last step the file holds (read from its end).
     """
 
     def __init__(self, path: str | os.PathLike, fsync: bool = False):
         self.path = os.fspath(path)
         self.fsync = fsync
-        self._last_step = None
-        if os.path.exists(self.path):
-            for rec in read_jsonl(self.path):
-                self._last_step = rec.get("step", self._last_step)
         d = os.path.dirname(self.path)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
-        if self._f.tell() > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    self._f.write("\n")
+        try:
+            if d:
+                os.makedirs(d, exist_ok=True)
+            self._f = open(self.path, "ab", buffering=0)
+        except OSError as e:
+            raise OSError(e.errno, f"gradfuse.JsonlSink cannot open {self.path!r} for appending: "
+                                   f"{e.strerror or e}") from e
+        self._torn = self._ends_without_newline()
+        self._last_step = None
+
+    def _ends_without_newline(self) -> bool:
+        if not os.path.isfile(self.path) or os.path.getsize(self.path) == 0:
+            return False
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
 
     def last_step(self) -> int | None:
+        """The step of the last record in the file (this run's, or a previous run's)."""
+        if self._last_step is None and os.path.isfile(self.path):
+            rec = _last_record(self.path)
+            self._last_step = None if rec is None else rec.get("step")
         return self._last_step
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        line = json.dumps(record) + "\n"
+        data = (("\n" if self._torn else "") + line).encode("utf-8")
+        self._torn = True  # until the whole line is out
+        view = memoryview(data)
+        while view:
+            view = view[self._f.write(view):]
         if self.fsync:
             os.fsync(self._f.fileno())
+        self._torn = False
         self._last_step = record["step"]
 
     def close(self) -> None:
         self._f.close()
+
+
+def _last_record(path: str, block: int = 1 << 20) -> dict | None:
+    """The last complete, parseable record of a JSONL file, read backwards in blocks (a log of a
+    long run can be gigabytes; a record of a large model, megabytes)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        pos = f.tell()
+        tail = b""
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            tail = f.read(pos - start) + tail
+            pos = start
+            lines = tail.split(b"\n")
+            # lines[0] may be cut by the block boundary unless the file starts there
+            for line in reversed(lines if pos == 0 else lines[1:]):
+                if line.strip():
+                    try:
+                        return json.loads(line)
+                    except ValueError:
+                        continue  # a torn line: look further back
+            tail = lines[0] if pos > 0 else b""
+    return None
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -76,8 +119,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return out
 
 
-def _flat_scalars(record: dict) -> dict[str, float]:
-    """The record as flat metric names -> numbers, for metric loggers."""
+def metrics(record: dict) -> dict[str, float]:
+    """A record as flat metric names -> numbers, for metric loggers: ``grad/total_norm``,
+    ``grad/clip_coef``, ``grad/clipped`` (this step), the run's counters (``grad/clipped_steps``,
+    ``grad/skipped_steps``, ``grad/nonfinite_steps``, ...), and per layer ``grad_l2/<layer>``,
+    ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``."""
     m = {
         "grad/total_norm": record["total_norm"],
         "grad/nonfinite": float(record["nonfinite"]),
@@ -86,6 +132,9 @@ def _flat_scalars(record: dict) -> dict[str, float]:
     if record["clip_coef"] is not None:
         m["grad/clip_coef"] = record["clip_coef"]
         m["grad/clipped"] = float(record["clipped"])
+    for name, value in record.get("counters", {}).items():
+        if name != "steps":
+            m[f"grad/{name}"] = float(value)
     for layer, a in record["layers"].items():
         m[f"grad_l2/{layer}"] = a["l2"]
         m[f"grad_zero_fraction/{layer}"] = a["zero_fraction"]
@@ -102,7 +151,7 @@ class TensorBoardSink:
 
     def write(self, record: dict) -> None:
         step = record["step"]
-        for tag, value in _flat_scalars(record).items():
+        for tag, value in metrics(record).items():
             self.writer.add_scalar(tag, value, step)
         if record["anomalies"]:
             self.writer.add_text("grad/anomaly", record["message"] or ",".join(record["anomalies"]), step)
@@ -122,7 +171,7 @@ class MetricsSink:
         self.logger = logger
 
     def write(self, record: dict) -> None:
-        self.logger.log(_flat_scalars(record), step=record["step"])
+        self.logger.log(metrics(record), step=record["step"])
 
 
 WandbSink = MetricsSink

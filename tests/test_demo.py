@@ -8,7 +8,7 @@ from gradfuse.sinks import read_jsonl
 def test_demo_runs_and_catches_the_planted_faults(tmp_path, capsys):
     assert main(["demo", "--steps", "30", "--tiny", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "step 10: explode -> clipped and went on" in out
+    assert "step 10: explode -> skipped the optimizer step" in out
     assert "step 20: nonfinite -> skipped the optimizer step" in out
     assert "layers.1.linear1.weight (nan=1, inf=0" in out
     assert "gradfuse.clip_ (stats + clip, none needed)" in out

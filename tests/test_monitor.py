@@ -1,4 +1,5 @@
 """GradMonitor policies, host-sync discipline, sinks read back, the plot, memory over a long run."""
+import io
 import json
 import math
 import os
@@ -26,12 +27,13 @@ def backward(model, scale=1.0):
 
 def test_nonfinite_skip_names_parameters_and_leaves_grads():
     model = make_model()
-    mon = GradMonitor(model, max_norm=1e-6, on_nonfinite="skip", every=0)
+    mon = GradMonitor(model, max_norm=1e-6, every=0)  # on_nonfinite="skip" is the default
     backward(model)
     model[2].weight.grad[1, 2] = math.nan
     model[4].bias.grad[0] = math.inf
     before = {n: p.grad.clone() for n, p in model.named_parameters()}
-    r = mon.step()
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        r = mon.step()
     assert r.skip and r.anomalies == ["nonfinite"]
     assert "2.weight (nan=1, inf=0" in r.message and "4.bias (nan=0, inf=1" in r.message
     for n, p in model.named_parameters():  # untouched for inspection: not clipped
@@ -62,7 +64,8 @@ def test_explode_warn_and_clip():
 def test_explode_skip_and_ignore():
     model = make_model()
     backward(model, scale=1e8)
-    assert GradMonitor(model, explode_threshold=10.0, on_explode="skip").step().skip
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped: total norm"):
+        assert GradMonitor(model, explode_threshold=10.0).step().skip  # the default: a circuit breaker
     r = GradMonitor(model, explode_threshold=10.0, on_explode="ignore").step()
     assert not r.skip
 
@@ -117,35 +120,145 @@ def test_disabled_costs_nothing(monkeypatch):
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
 
 
-def test_jsonl_records_layers_and_resume(tmp_path):
+def test_jsonl_records_layers_and_torn_line(tmp_path):
     path = tmp_path / "run.jsonl"
     model = make_model()
-    mon = GradMonitor(model, max_norm=1.0, every=2, on_nonfinite="skip", sinks=[JsonlSink(path)])
+    mon = GradMonitor(model, max_norm=1e-3, every=2, on_nonfinite="skip", sinks=[JsonlSink(path)])
     for step in range(5):
         backward(model)
         if step == 3:
             model[2].bias.grad[0] = math.nan
-        mon.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mon.step()
     mon.close()
     recs = read_jsonl(path)
     assert [r["step"] for r in recs] == [0, 2, 3, 4]
     assert recs[2]["event"] and recs[2]["anomalies"] == ["nonfinite"] and recs[2]["skipped"]
     assert recs[2]["params"]["2.bias"]["nan_count"] == 1
+    assert recs[3]["counters"] == {"steps": 5, "clipped_steps": 4, "skipped_steps": 1, "anomaly_steps": 1,
+                                   "nonfinite_steps": 1, "explode_steps": 0, "amp_overflow_steps": 0,
+                                   "dropped_records": 0}
     assert set(recs[0]["layers"]) == {"0", "2", "4"}
     layer0 = recs[0]["layers"]["0"]
     p = recs[0]["params"]
     assert layer0["numel"] == p["0.weight"]["numel"] + p["0.bias"]["numel"]
     assert layer0["l2"] == pytest.approx(math.hypot(p["0.weight"]["l2"], p["0.bias"]["l2"]))
     assert recs[0]["clip_coef"] is not None
-    # A crash mid-write leaves a torn line; a resumed run skips it and continues the steps.
+    # A crash mid-write leaves a torn line: the next record starts on a line of its own.
     with open(path, "a") as f:
         f.write('{"step": 5, "total_no')
-    mon2 = GradMonitor(model, every=1, sinks=[JsonlSink(path)])
-    assert mon2.step_count == 5
-    backward(model)
-    mon2.step()
-    mon2.close()
+    sink = JsonlSink(path)
+    assert sink.last_step() == 4  # the torn line is not a record
+    sink.write({"step": 5, "x": 1})
+    sink.close()
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3, 4, 5]
+
+
+def run_steps(mon, model, steps, opt, data):
+    """A deterministic stretch of training: batch i of ``data``, a spike at 13, a NaN at 17."""
+    for step in steps:
+        model.zero_grad()
+        x = data[step]
+        (model(x).square().mean() * (1e6 if step == 13 else 1.0)).backward()
+        if step == 17:
+            model[0].weight.grad[0, 0] = math.nan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if not mon.step().skip:
+                opt.step()
+
+
+def test_state_dict_resume_mid_run_continues_numbering_and_counts(tmp_path):
+    """Save at step 25 of 40, restore into a fresh process-like setup, run to 40: the same
+    records and counters as the run that never stopped (the bug: a resume restarted at the last
+    logged step + 1 and numbered steps twice)."""
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    kw = dict(max_norm=0.05, every=10, explode_threshold=1e3, on_explode="skip", on_nonfinite="skip")
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    full = GradMonitor(model, sinks=[JsonlSink(tmp_path / "full.jsonl")], **kw)
+    run_steps(full, model, range(40), opt, data)
+    full.close()
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mon = GradMonitor(model, sinks=[JsonlSink(tmp_path / "resumed.jsonl")], **kw)
+    run_steps(mon, model, range(25), opt, data)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gradfuse": mon.state_dict()}, saved)
+    run_steps(mon, model, range(25, 33), opt, data)  # ... then the job dies at step 33
+    del mon
+
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    mon = GradMonitor(model, sinks=[JsonlSink(tmp_path / "resumed.jsonl")], **kw)
+    mon.load_state_dict(checkpoint["gradfuse"])
+    assert mon.step_count == 25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # restored: no "numbering steps twice" warning
+        run_steps(mon, model, range(25, 40), opt, data)
+    mon.close()
+    assert mon.state_dict() == full.state_dict()
+    assert full.state_dict()["step"] == 40 and full.skipped_steps == 2 and full.clipped_steps == 38
+    # The log of the resumed run holds step 30 twice (steps 25-32 ran twice); the last record
+    # of each step is the same as in the run that never stopped.
+    last = {r["step"]: r for r in read_jsonl(tmp_path / "resumed.jsonl")}
+    full_recs = {r["step"]: r for r in read_jsonl(tmp_path / "full.jsonl")}
+    assert sorted(last) == sorted(full_recs) == [0, 10, 13, 17, 20, 30, 39]
+    for step in (30, 39):
+        assert last[step]["counters"] == full_recs[step]["counters"]
+        assert last[step]["total_norm"] == pytest.approx(full_recs[step]["total_norm"], rel=1e-6)
+
+
+def test_fresh_monitor_on_an_old_log_warns_instead_of_numbering_twice(tmp_path):
+    path = tmp_path / "run.jsonl"
+    model = make_model()
+    mon = GradMonitor(model, every=10, sinks=[JsonlSink(path)])
+    for _ in range(40):
+        backward(model)
+        mon.step()
+    mon.close()
+    mon2 = GradMonitor(model, every=10, sinks=[JsonlSink(path)])
+    backward(model)
+    with pytest.warns(RuntimeWarning, match="already holds records up to step 39 .* load_state_dict"):
+        mon2.step()
+    with pytest.raises(KeyError, match="missing"):
+        mon2.load_state_dict({"step": 3})
+
+
+def test_warnings_point_at_the_callers_line():
+    """The no_grad decorator adds a frame (torch/utils/_contextlib.py): warnings must still name
+    the line that called mon.step() / optimizer.step()."""
+    model = make_model()
+    backward(model, scale=1e8)
+    mon = GradMonitor(model, explode_threshold=10.0, on_explode="warn")
+    with pytest.warns(RuntimeWarning, match="explode_threshold") as rec:
+        mon.step()
+    assert rec[0].filename == __file__
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = gradfuse.attach(opt, model, explode_threshold=10.0)  # default on_explode: skip
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped") as rec:
+        opt.step()
+    assert rec[0].filename == __file__
+    handle.detach()
+
+
+def test_layers_group_by_block_index():
+    from gradfuse.grad_stats import layer_of
+    assert layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert layer_of("bert.encoder.layer.11.attention.self.query.weight") == "bert.encoder.layer.11"
+    assert layer_of("encoder.block.0.layer.1.DenseReluDense.wi.weight") == "encoder.block.0"
+    assert layer_of("transformer.wte.weight") == "transformer.wte"
+    assert layer_of("lm_head.weight") == "lm_head"
+    assert layer_of("pos") == "pos"
+    assert layer_of("0.weight") == "0"
+    assert layer_of("layers.3.attn.weight", 1) == "layers"
 
 
 def test_tensorboard_sink_event_files_read_back(tmp_path):
@@ -216,20 +329,33 @@ def test_amp_grad_scaler_overflow_is_not_a_model_anomaly():
 
 
 def test_plot_from_recorded_jsonl(tmp_path):
+    """The legend counts clipped steps over the whole run (not among logged steps), explosions
+    have their own marker, and the step axis starts at the first step, not before it."""
     pytest.importorskip("matplotlib")
     path = tmp_path / "run.jsonl"
     model = make_model()
-    mon = GradMonitor(model, max_norm=0.1, every=1, on_nonfinite="skip", sinks=[JsonlSink(path)])
-    for step in range(6):
-        backward(model)
-        if step == 4:
+    mon = GradMonitor(model, max_norm=0.1, every=10, on_nonfinite="skip", explode_threshold=1e4,
+                      sinks=[JsonlSink(path)])
+    for step in range(40):
+        backward(model, scale=1e6 if step == 15 else 1.0)
+        if step == 24:
             model[0].bias.grad[0] = math.nan
-        mon.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mon.step()
     mon.close()
+    assert mon.clipped_steps == 38  # all but the two skipped steps
     out = tmp_path / "flow.png"
     from gradfuse.__main__ import main
     assert main(["plot", str(path), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    from gradfuse.plot import gradflow_figure
+    fig = gradflow_figure(read_jsonl(path))
+    ax = fig.axes[2]  # the total-norm panel (after the heat map and its colour bar)
+    labels = ax.get_legend_handles_labels()[1]
+    assert "clipped: 38 of 40 steps" in labels and "skipped: 2 of 40 steps" in labels
+    assert "exploded: 1 of 40 steps" in labels and "non-finite: 1 of 40 steps" in labels
+    assert ax.get_xlim() == (0.0, 39.0)  # close() logged the last step
 
 
 def test_thousand_steps_memory_flat(tmp_path):

@@ -1,0 +1,230 @@
+"""``gradfuse.attach``: the monitor, the clip and the policies right before every
+``optimizer.step()``, with no other change to a plain PyTorch loop."""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from gradfuse.monitor import GradMonitor, StepReport
+
+
+class StepGate:
+    """Lets a decision taken right before ``optimizer.step()`` skip that step, the way
+    ``GradScaler`` skips one: the optimizer's own ``step`` is not called at all, so parameters,
+    momentum, weight decay and step counters stay as they were.
+
+    ``optimizer.step`` becomes a bound method of the optimizer (an LR scheduler created later
+    wraps it in turn, as it wraps the original). With a closure, the gate evaluates it first (it
+    runs backward), asks ``before_step(optimizer)`` whether to skip, and hands the optimizer the
+    loss it got (the optimizer's further evaluations, e.g. LBFGS's line search, call the closure
+    again). A skipped step returns the closure's loss, or None. ``on_skip(optimizer)`` runs after a
+    skip (e.g. a scaler's bookkeeping). :meth:`remove` restores ``step``.
+    """
+
+    def __init__(self, optimizer, before_step: Callable[[object], bool],
+                 on_skip: Callable[[object], None] | None = None):
+        if getattr(optimizer, "_gradfuse_gate", None) is not None:
+            raise RuntimeError(f"gradfuse: {type(optimizer).__name__} already has a gradfuse step gate; "
+                               "detach the first attachment before attaching again")
+        self.optimizer = optimizer
+        self.before_step = before_step
+        self.on_skip = on_skip
+        self.active = True
+        self._had_own_step = "step" in optimizer.__dict__  # e.g. an LR scheduler's wrapper
+        self._previous = optimizer.__dict__.get("step")
+        self._inner = optimizer.step
+        gate = self
+
+        def step(opt, *args, **kwargs):
+            return gate._step(args, kwargs)
+
+        self._bound = types.MethodType(step, optimizer)
+        optimizer.step = self._bound
+        optimizer._gradfuse_gate = self
+
+    def _step(self, args: tuple, kwargs: dict):
+        if not self.active:
+            return self._inner(*args, **kwargs)
+        closure = kwargs.get("closure", args[0] if args else None)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            pending = [loss]
+
+            def replay():  # the first evaluation is the one that ran; later ones run again
+                return pending.pop() if pending else closure()
+
+            if "closure" in kwargs:
+                kwargs = {**kwargs, "closure": replay}
+            else:
+                args = (replay,) + tuple(args[1:])
+        if self.before_step(self.optimizer):
+            if self.on_skip is not None:
+                self.on_skip(self.optimizer)
+            return loss
+        return self._inner(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Restores ``optimizer.step``; if something wrapped it after the gate (an LR scheduler
+        created later), the gate stays in that chain but only passes calls through."""
+        self.active = False
+        opt = self.optimizer
+        if opt.__dict__.get("step") is self._bound:
+            if self._had_own_step:
+                opt.step = self._previous
+            else:
+                del opt.step
+        if getattr(opt, "_gradfuse_gate", None) is self:
+            del opt._gradfuse_gate
+
+
+def named_optimizer_params(optimizers, model: nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The parameters the optimizers update, once each, named by ``model`` when given, else by the
+    names the optimizer was built with (``AdamW(model.named_parameters())``), else
+    ``group{g}.{i}`` (prefixed ``opt{k}.`` with several optimizers)."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    out, seen = [], set()
+    for k, opt in enumerate(optimizers):
+        prefix = f"opt{k}." if len(optimizers) > 1 else ""
+        for g, group in enumerate(opt.param_groups):
+            own = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                out.append((names.get(id(p)) or (own[i] if own else f"{prefix}group{g}.{i}"), p))
+    return out
+
+
+class Attachment:
+    """What :func:`gradfuse.attach` returns. ``monitor`` is the :class:`GradMonitor` (counters,
+    ``state_dict()``), ``last_report`` the latest :class:`StepReport`; :meth:`detach` undoes
+    the attachment (also as a context manager)."""
+
+    def __init__(self, optimizers: list, model: nn.Module | None, scaler, monitor_kwargs: dict):
+        self.optimizers = optimizers
+        self.scaler = scaler
+        named = named_optimizer_params(optimizers, model)
+        # One optimizer: the monitor unscales itself, fused with its statistics (one read, one
+        # write) unless scaler.unscale_ ran already. Several: each is unscaled with scaler.unscale_.
+        fused = scaler is not None and len(optimizers) == 1
+        self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
+                                   **monitor_kwargs)
+        self.last_report: StepReport | None = None
+        self._skip = False
+        self._pending: set[int] = set()  # optimizers still to step under the current decision
+        self._in_scaler_step: int | None = None
+        self._gates = [StepGate(opt, self._gate_decision) for opt in optimizers]
+        self._scaler_step = None
+        if scaler is not None:
+            self._previous_scaler_step = scaler.__dict__.get("step")
+            self._scaler_inner = scaler.step
+            attachment = self
+
+            def step(sc, optimizer, *args, **kwargs):
+                return attachment._scaler_step_call(optimizer, args, kwargs)
+
+            self._scaler_step = types.MethodType(step, scaler)
+            scaler.step = self._scaler_step
+
+    def _decide(self, optimizer) -> bool:
+        """The decision for this optimizer's step: a new one (the monitor runs) at the first step
+        of a round, where a round ends once every attached optimizer has stepped (or one steps
+        again)."""
+        key = id(optimizer)
+        if key not in self._pending:
+            if self.scaler is not None and self.monitor.optimizer is None:
+                from torch.amp.grad_scaler import OptState
+                for opt in self.optimizers:
+                    if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+                        self.scaler.unscale_(opt)
+            self.last_report = self.monitor.step()
+            self._skip = self.last_report.skip
+            self._pending = {id(o) for o in self.optimizers}
+        self._pending.discard(key)
+        return self._skip
+
+    def _gate_decision(self, optimizer) -> bool:
+        if self._in_scaler_step == id(optimizer):  # decided in scaler.step, which called us
+            return self._skip
+        return self._decide(optimizer)
+
+    def _scaler_step_call(self, optimizer, args, kwargs):
+        if not any(optimizer is o for o in self.optimizers):
+            return self._scaler_inner(optimizer, *args, **kwargs)
+        self._decide(optimizer)
+        # The scaler then runs its own checks and calls optimizer.step() (our gate) unless the
+        # gradients overflowed; a skipped step still gets the scaler's bookkeeping.
+        self._in_scaler_step = id(optimizer)
+        try:
+            return self._scaler_inner(optimizer, *args, **kwargs)
+        finally:
+            self._in_scaler_step = None
+
+    def state_dict(self) -> dict:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state)
+
+    def detach(self) -> None:
+        """Restores ``optimizer.step`` (and ``scaler.step``); the monitor's sinks are closed."""
+        for gate in self._gates:
+            gate.remove()
+        self._gates = []
+        if self._scaler_step is not None:
+            if self.scaler.__dict__.get("step") is self._scaler_step:
+                if self._previous_scaler_step is None:
+                    del self.scaler.step
+                else:
+                    self.scaler.step = self._previous_scaler_step
+            self._scaler_step = None
+        self.monitor.close()
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+
+def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+           model: nn.Module | None = None, *, scaler=None, **monitor_kwargs) -> Attachment:
+    """Runs a :class:`GradMonitor` (statistics, clip, policies, logging) right before every
+    ``optimizer.step()``; a step the policy skips is not taken at all (no parameter, momentum,
+    weight-decay or step-count update), as ``GradScaler`` skips one. The loop does not change::
+
+        handle = gradfuse.attach(optimizer, model, max_norm=1.0, every=100,
+                                 on_nonfinite="skip", explode_threshold=1e4, on_explode="skip",
+                                 sinks=[gradfuse.JsonlSink("run.jsonl")])
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()          # gradfuse runs here first
+            optimizer.zero_grad()
+        handle.detach()
+
+    Args:
+        optimizer: one optimizer, or several that step the same model: the monitor runs before
+            the first of them steps in each round and its decision (skip or not) holds for all
+            (a round ends once each has stepped, or when one steps again).
+        model: names the parameters (else the optimizer's own names, or ``group{g}.{i}``).
+            Watched are the parameters the optimizer(s) update.
+        scaler: the ``torch.amp.GradScaler`` of the loop (``scaler.step(optimizer)``): then the
+            monitor also sees steps the scaler skips (counted as ``amp_overflow``, not as
+            anomalies), and with one optimizer it unscales the gradients itself, fused with its
+            statistics (a prior ``scaler.unscale_(optimizer)`` is fine too).
+        **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
+            ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...).
+    """
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError("gradfuse.attach: expected a torch.optim.Optimizer or a list of them, got "
+                        f"{type(optimizer).__name__}")
+    for key in ("optimizer", "model"):
+        if key in monitor_kwargs:
+            raise TypeError(f"gradfuse.attach: {key}= is set by attach itself")
+    return Attachment(optimizers, model, scaler, monitor_kwargs)

@@ -1,0 +1,195 @@
+"""Hugging Face ``transformers.Trainer``: :func:`attach`.
+
+    trainer = Trainer(model=model, args=TrainingArguments(..., max_grad_norm=1.0), ...)
+    gradfuse.integrations.transformers.attach(trainer, explode_threshold=1e4)
+    trainer.train()
+
+gradfuse replaces the Trainer's clip: ``max_grad_norm`` becomes the monitor's ``max_norm`` and is
+set to 0 in the Trainer for the run. The Trainer's own gradient-norm call
+(``accelerator.clip_grad_norm_``, which transformers >= 5 makes every step for its ``grad_norm``
+log, clipping or not) is answered by the monitor: one fused pass gives the statistics, the policy
+decision, the clip and the ``grad_norm`` the Trainer logs. (Where the Trainer makes no such call,
+the monitor runs in ``on_pre_optimizer_step``.) The statistics go into the Trainer's logs, so
+they reach TensorBoard, W&B, ... through its own reporting.
+"""
+from __future__ import annotations
+
+from gradfuse.sinks import _require
+
+_require("transformers", "transformers", "integrations.transformers")
+
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
+
+from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
+from gradfuse.monitor import GradMonitor, StepReport, warn  # noqa: E402
+from gradfuse.sinks import metrics  # noqa: E402
+
+# Where the monitor's state travels in trainer_state.json (TrainerState.stateful_callbacks).
+# Not the class name: the Trainer re-creates callbacks stored under their class name from their
+# constructor arguments, which would drop the sinks.
+STATE_KEY = "gradfuse"
+
+
+class GradfuseCallback(TrainerCallback):
+    """The :class:`GradMonitor` of a ``transformers.Trainer``; made and placed by :func:`attach`
+    (it needs the Trainer: callbacks are not handed the optimizer the Trainer steps).
+
+    ``monitor`` is the monitor (counters, ``state_dict()``), ``last_report`` the latest
+    :class:`StepReport`. Step numbers are the Trainer's (``state.global_step`` after the update),
+    so records and log lines share its x-axis. On each training log (``logging_steps``) the
+    statistics of the latest update are added to the logs (``grad/total_norm``,
+    ``grad_l2/<layer>``, the clipped / skipped / non-finite counters, ...) and written to
+    ``sinks``; anomalies are written to ``sinks`` when they happen.
+    """
+
+    def __init__(self, trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs):
+        for key in ("every", "scaler", "optimizer", "start_step"):
+            if key in monitor_kwargs:
+                raise TypeError(f"gradfuse GradfuseCallback: {key}= is set by the callback")
+        self.trainer = trainer
+        self.max_norm = max_norm
+        self.sinks = list(sinks)
+        self.monitor_kwargs = monitor_kwargs
+        self.monitor: GradMonitor | None = None
+        self.last_report: StepReport | None = None
+        self._gate: StepGate | None = None
+        self._skip_next = False
+        self._ran_at: int | None = None
+        self._trainer_max_grad_norm = None
+        self._original_clip = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            if self.max_norm is None:
+                self.max_norm = float(args.max_grad_norm)
+            elif self.max_norm != args.max_grad_norm:
+                warn(f"gradfuse: max_norm={self.max_norm:g} replaces the Trainer's "
+                     f"max_grad_norm={args.max_grad_norm:g}")
+            self._trainer_max_grad_norm = args.max_grad_norm
+            args.max_grad_norm = 0.0  # gradfuse clips instead, in the same place, once
+        optimizer = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
+        inner = getattr(optimizer, "optimizer", optimizer)
+        scaler = getattr(optimizer, "scaler", None)
+        if self.monitor is None:
+            self.monitor = GradMonitor(
+                named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
+                scaler=scaler, optimizer=inner if scaler is not None else None,
+                sinks=self.sinks if trainer.is_world_process_zero() else [], **self.monitor_kwargs)
+        saved = (state.stateful_callbacks or {}).get(STATE_KEY)
+        if saved and state.global_step > 0:  # resuming from a checkpoint
+            self.monitor.load_state_dict(saved)
+        # The Trainer steps the AcceleratedOptimizer: gate that one (accelerate swaps the inner
+        # optimizer's step method in and out around AMP steps).
+        self._gate = StepGate(optimizer, self._take_decision, on_skip=self._after_skip)
+        self._take_over_norm_call()
+
+    def _take_over_norm_call(self) -> None:
+        accelerator = self.trainer.accelerator
+        from accelerate.utils import DistributedType
+        kind = accelerator.distributed_type
+        if kind in (DistributedType.DEEPSPEED, DistributedType.XLA) or (
+                kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False)):
+            return  # these compute the norm their own way; the monitor runs in on_pre_optimizer_step
+        original = accelerator.clip_grad_norm_
+        callback = self
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2, **kw):
+            if norm_type != callback.monitor.norm_type:
+                return original(parameters, max_norm, norm_type, **kw)
+            return callback._run_monitor().stats.total_norm
+
+        self._original_clip = ("clip_grad_norm_" in accelerator.__dict__, original)
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def _run_monitor(self) -> StepReport:
+        """The monitor's step for the update being made; at most once per update."""
+        step = self.trainer.state.global_step
+        if self._ran_at != step:
+            self._ran_at = step
+            self.monitor.step_count = step + 1  # the number the Trainer gives this update
+            self.last_report = self.monitor.step(log=False)
+        return self.last_report
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._skip_next = self._run_monitor().skip
+
+    def _take_decision(self, optimizer) -> bool:
+        skip, self._skip_next = self._skip_next, False
+        return skip
+
+    def _after_skip(self, optimizer) -> None:
+        # A skipped step never reaches scaler.step/update, which reset the scaler's per-step
+        # state; without update() the next unscale would fail.
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            scaler.update()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        report = self.last_report
+        if not logs or "loss" not in logs or report is None or report.stats is None:
+            return
+        record = self.monitor.record(report)
+        self.monitor.write(record)
+        m = metrics(record)
+        logs.update(m)
+        # The Trainer copied the logs into its history before calling back: complete that too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(m)
+
+    def _stash_state(self, state, control) -> None:
+        if control.should_save and self.monitor is not None:
+            state.stateful_callbacks[STATE_KEY] = self.monitor.state_dict()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._stash_state(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._stash_state(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    def detach(self) -> None:
+        """Undoes what :meth:`on_train_begin` changed: the step gate, the norm call, the
+        Trainer's ``max_grad_norm``."""
+        if self._gate is not None:
+            self._gate.remove()
+            self._gate = None
+        if self._original_clip is not None:
+            had_own, original = self._original_clip
+            accelerator = self.trainer.accelerator
+            if had_own:
+                accelerator.clip_grad_norm_ = original
+            else:
+                accelerator.__dict__.pop("clip_grad_norm_", None)
+            self._original_clip = None
+        if self._trainer_max_grad_norm is not None:
+            self.trainer.args.max_grad_norm = self._trainer_max_grad_norm
+            self._trainer_max_grad_norm = None
+
+    def close(self) -> None:
+        """Detaches and closes the sinks."""
+        self.detach()
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs) -> GradfuseCallback:
+    """Adds a :class:`GradfuseCallback` to ``trainer``, right after the Trainer's flow callback
+    and before its reporting callbacks (TensorBoard, W&B, ...), so that those see the gradient
+    statistics in the logs. Returns the callback.
+
+    Args:
+        max_norm: clip by total norm; None (default): the Trainer's ``max_grad_norm``. The Trainer
+            itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``).
+        sinks: further sinks, written on the main process only.
+        **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
+            ``layer_depth`` (see :class:`GradMonitor`).
+    """
+    callback = GradfuseCallback(trainer, max_norm, sinks=sinks, **monitor_kwargs)
+    callbacks = trainer.callback_handler.callbacks
+    flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+    callbacks.insert(flow[-1] + 1 if flow else 0, callback)
+    return callback

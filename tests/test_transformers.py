@@ -1,0 +1,246 @@
+"""gradfuse.integrations.transformers.attach against the real transformers.Trainer (CPU, a
+2-layer GPT-2 built from a config, synthetic tokens, no downloads)."""
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from gradfuse.integrations.transformers import GradfuseCallback, attach  # noqa: E402
+
+MAX_NORM = 0.05
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=16):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (n, 12), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """Records the gradients each real step uses, and the steps it took."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stepped_grads = []
+
+    def step(self, closure=None):
+        self.stepped_grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def optimizer_state(opt):
+    return {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+
+
+class PlantNaN(TrainerCallback):
+    """Plants a NaN in a gradient during the backward of the update made at ``at_step`` (so that
+    it is there before the Trainer computes its grad norm), and checks after that update that
+    nothing moved: parameters, AdamW moments and step counts."""
+
+    def __init__(self, at_step, opt):
+        self.at_step, self.opt = at_step, opt
+        self.armed = False
+        self.unchanged = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        weight = model.transformer.h[1].mlp.c_fc.weight
+
+        def plant(param):
+            if self.armed:
+                param.grad[2, 3] = math.nan
+        weight.register_post_accumulate_grad_hook(plant)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.armed = state.global_step == self.at_step
+        if self.armed:
+            self.before = ([p.detach().clone() for p in model.parameters()], optimizer_state(self.opt))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at_step + 1:
+            params, opt_state = self.before
+            after = optimizer_state(self.opt)
+            self.unchanged = (all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+                              and after.keys() == opt_state.keys()
+                              and all(torch.equal(after[k][n], opt_state[k][n]) for k in after for n in after[k]))
+
+
+def make_trainer(tmp_path, max_grad_norm, accumulate=2, max_steps=4, report_to=(), **kw):
+    model = tiny_gpt2()
+    opt = RecordingAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulate, logging_steps=1, report_to=list(report_to),
+        use_cpu=True, disable_tqdm=True, max_grad_norm=max_grad_norm,
+        dataloader_num_workers=0, seed=0, **{"save_strategy": "no", **kw})
+    return Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched)), opt
+
+
+def train(trainer, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(**kw)
+
+
+def test_clip_matches_trainers_own_with_accumulation_and_logs_reach_tensorboard(tmp_path, monkeypatch):
+    ref, ref_opt = make_trainer(tmp_path / "ref", MAX_NORM)
+    train(ref)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer, opt = make_trainer(tmp_path / "ours", MAX_NORM, report_to=["tensorboard"])
+    cb = attach(trainer)  # takes over max_grad_norm
+    train(trainer)
+    assert trainer.args.max_grad_norm == MAX_NORM  # handed back after train()
+    assert len(opt.stepped_grads) == len(ref_opt.stepped_grads) == 4  # once per optimizer step
+    for ours, theirs in zip(opt.stepped_grads, ref_opt.stepped_grads):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # The Trainer's own grad_norm log (pre-clip) came from gradfuse's pass and matches its own.
+    ref_logs = [h for h in ref.state.log_history if "loss" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["grad_norm"] > MAX_NORM for h in ref_logs)  # there was clipping to compare
+    for h, r in zip(logs, ref_logs):
+        assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+        assert h["grad/total_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert [h["step"] for h in logs] == [1, 2, 3, 4]
+    assert logs[-1]["grad/clipped_steps"] == 4 and logs[-1]["grad/clip_coef"] < 1
+    # Layers by block index, not one row for all of transformer.h.
+    assert {"grad_l2/transformer.h.0", "grad_l2/transformer.h.1", "grad_l2/transformer.wte",
+            "grad_l2/transformer.ln_f"} <= set(logs[-1])
+    assert cb.monitor.step_count == 5 and cb.last_report.step == 4  # the Trainer's numbering
+    # ... and through the Trainer's own TensorBoard reporting.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/grad/total_norm")] == [1, 2, 3, 4]
+    assert "train/grad_l2/transformer.h.1" in acc.Tags()["scalars"]
+
+
+def test_planted_nan_step_skipped_and_state_resumes(tmp_path):
+    trainer, opt = make_trainer(tmp_path, 1.0, accumulate=1, max_steps=4,
+                                save_strategy="steps", save_steps=2)
+    planter = PlantNaN(at_step=1, opt=opt)
+    trainer.add_callback(planter)
+    events = []
+    sink = type("Events", (), {"write": lambda self, record: events.append(record)})()
+    cb = attach(trainer, explode_threshold=1e6, sinks=[sink])
+    train(trainer)
+    # gradfuse saw the gradients before the Trainer's own norm pass (which multiplies every
+    # gradient by a NaN norm): the one parameter at fault is named.
+    event = [r for r in events if r["event"]][0]
+    assert event["step"] == 2 and event["skipped"]
+    assert "1 parameter(s): transformer.h.1.mlp.c_fc.weight (nan=1" in event["message"]
+    assert planter.unchanged is True  # no parameter, moment or step-count update
+    assert len(opt.stepped_grads) == 3  # the update numbered 2 was not taken
+    m = cb.monitor
+    assert (m.skipped_steps, m.nonfinite_steps, m.anomaly_steps) == (1, 1, 1)
+    second = [h for h in trainer.state.log_history if h.get("step") == 2 and "loss" in h][0]
+    assert second["grad/skipped"] == 1.0 and second["grad/nonfinite"] == 1.0
+    assert second["grad_nonfinite/transformer.h.1"] >= 1
+    # Resume from the checkpoint at step 2: numbering and counts continue.
+    trainer2, _ = make_trainer(tmp_path, 1.0, accumulate=1, max_steps=4,
+                               save_strategy="steps", save_steps=2)
+    cb2 = attach(trainer2)
+    train(trainer2, resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    state = cb2.monitor.state_dict()
+    assert (state["step"], state["skipped_steps"], state["nonfinite_steps"]) == (5, 1, 1)
+    # The history restored from the checkpoint kept the statistics of steps 1-2.
+    assert [h["step"] for h in trainer2.state.log_history if "grad/total_norm" in h] == [1, 2, 3, 4]
+    assert [h["grad/skipped_steps"] for h in trainer2.state.log_history if "loss" in h] == [0, 1, 1, 1]
+
+
+def test_without_the_norm_call_the_monitor_runs_before_the_optimizer_step(tmp_path, monkeypatch):
+    """Where gradfuse does not answer the Trainer's norm call (DeepSpeed, XLA, FSDP1), the
+    monitor runs in on_pre_optimizer_step: the same clipping."""
+    ref, ref_opt = make_trainer(tmp_path / "ref", MAX_NORM, accumulate=1, max_steps=2)
+    train(ref)
+    monkeypatch.setattr(GradfuseCallback, "_take_over_norm_call", lambda self: None)
+    trainer, opt = make_trainer(tmp_path / "ours", MAX_NORM, accumulate=1, max_steps=2)
+    cb = attach(trainer)
+    train(trainer)
+    assert cb.monitor.clipped_steps == 2 and len(opt.stepped_grads) == 2
+    for ours, theirs in zip(opt.stepped_grads, ref_opt.stepped_grads):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+class PlantAt(TrainerCallback):
+    """Multiplies a gradient during the backward of given updates (inf: an fp16 overflow; a big
+    number: an explosion)."""
+
+    def __init__(self, factors):
+        self.factors, self.factor = factors, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def plant(param):
+            if self.factor is not None:
+                param.grad.mul_(self.factor)
+        model.transformer.h[0].attn.c_attn.weight.register_post_accumulate_grad_hook(plant)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.factor = self.factors.get(state.global_step)
+
+
+def test_grad_scaler_overflow_and_skip_keep_the_scaler_consistent(tmp_path):
+    """With accelerate's GradScaler (fp16 needs a GPU, so a CPU scaler is put in by hand): an
+    overflow is the scaler's (not an anomaly), and a step gradfuse skips still gets the scaler's
+    bookkeeping, so the next steps unscale and step normally."""
+    trainer, opt = make_trainer(tmp_path, 1.0, accumulate=1, max_steps=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer.accelerator.scaler = scaler  # before train(): prepare() hands it to the optimizer
+    trainer.add_callback(PlantAt({1: math.inf, 3: 1e9}))
+    cb = attach(trainer, explode_threshold=1e6)
+    train(trainer)
+    m = cb.monitor
+    assert (m.amp_overflow_steps, m.anomaly_steps, m.explode_steps, m.skipped_steps) == (1, 1, 1, 1)
+    assert len(opt.stepped_grads) == 3  # the overflow (scaler) and the explosion (gradfuse) skipped
+    assert scaler.get_scale() == 2.0**7
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_layers_of_gpt2_bert_t5_are_their_blocks():
+    """The default grouping gives one row per transformer block, not one for all of them."""
+    import gradfuse
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+    small = dict(vocab_size=64)
+    models = {
+        "gpt2": tiny_gpt2(),
+        "bert": BertForMaskedLM(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=32, max_position_embeddings=16, **small)),
+        "t5": T5ForConditionalGeneration(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                                  num_decoder_layers=2, num_heads=2, decoder_start_token_id=0,
+                                                  **small)),
+    }
+    ids = torch.randint(0, 64, (2, 8))
+    for model in models.values():
+        kw = {"decoder_input_ids": ids} if model.config.model_type == "t5" else {}
+        model(input_ids=ids, labels=ids, **kw).loss.backward()
+    layers = {k: set(gradfuse.stats(m).layers()) for k, m in models.items()}
+    assert {"transformer.h.0", "transformer.h.1", "transformer.wte", "transformer.ln_f"} <= layers["gpt2"]
+    assert {"bert.encoder.layer.0", "bert.encoder.layer.1", "bert.embeddings.word_embeddings"} <= layers["bert"]
+    assert {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "shared"} <= layers["t5"]
+    assert not any(name in layers["gpt2"] for name in ("transformer.h", "transformer"))
+
+
+def test_callbacks_list_needs_attach():
+    with pytest.raises(TypeError):
+        GradfuseCallback()  # it needs the Trainer: use attach(trainer)
