@@ -233,7 +233,7 @@ class GradMonitor:
         if grads and self._needs_flag():
             flag = s.nonfinite.to(torch.int32)
             if self.explode_threshold is not None:
-                flag = flag + 2 * (s.total_norm.double() > self.explode_threshold).to(torch.int32)
+                flag = flag + 2 * (s._total.double() > self.explode_threshold).to(torch.int32)
             code = int(flag)  # the one host sync of a quiet step that has a policy
         if code & 1 and self._amp_active():
             report.anomalies.append("amp_overflow")
