@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Instruction budget of the stats kernel, read from the machine code the compiler emitted.
+
+A streaming kernel runs at min(memory bandwidth, issue rate / instructions per element). On an
+H200 (4.8 TB/s, about 33.5e12 thread-instructions/s) a 2-byte element may cost at most ~14
+instructions and a 4-byte element ~28 before the kernel is compute-bound; the budgets below keep
+a margin under that. This script disassembles the sm_90 SASS of a build (cuobjdump, from the pip
+package nvidia-cuda-cuobjdump or a CUDA toolkit), finds the steady-state loop of every
+stats_kernel instantiation itself, and prints instructions per element:
+
+  the steady-state loop = among the innermost loops (a backward branch and the instructions from
+  its target up to it) that contain 16-byte global loads, the one with the most such loads, then
+  the most instructions: the unrolled main loop. Elements per trip = 16-byte loads x 16 bytes /
+  element size; instructions per trip = every instruction in the loop body, as issued.
+
+Usage:
+  python scripts/sass_budget.py [BINARY] [--arch sm_90]
+BINARY is gradfuse/_C*.so of this checkout by default (or any .so / .cubin / fatbin). Exit status:
+0 within budget, 1 over budget, 2 when the SASS could not be read or a kernel's loop not found.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Instructions per element allowed in the steady-state loop of stats_kernel<dtype, PowMode::kNone>
+# on sm_90 (issue 9). fp64 moves 8 bytes per element and is reported without a budget.
+BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
+BUDGET_ARCH = "sm_90"
+
+# Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode>.
+_DTYPES = {"N3c108BFloat16E": ("bf16", 2), "N3c104HalfE": ("fp16", 2), "f": ("fp32", 4), "d": ("fp64", 8)}
+_STATS_KERNEL = re.compile(r"stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
+_MODES = {"0": "none", "1": "abs", "2": "pow"}
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
+_LOAD16 = re.compile(r"^(?:@!?U?P\w+\s+)?LDG\.E\.128\b")
+
+
+@dataclasses.dataclass
+class Loop:
+    start: int  # index of the first instruction (the branch target)
+    end: int  # index of the backward branch
+    instructions: int
+    loads16: int
+
+
+@dataclasses.dataclass
+class KernelLoop:
+    kernel: str  # mangled name
+    dtype: str
+    mode: str
+    elem_bytes: int
+    loop: Loop
+
+    @property
+    def elements(self) -> int:
+        return self.loop.loads16 * 16 // self.elem_bytes
+
+    @property
+    def per_element(self) -> float:
+        return self.loop.instructions / self.elements
+
+
+def find_tool(name: str) -> str:
+    """cuobjdump / nvdisasm: $NAME (upper case), the nvidia-cuda-* pip package, PATH, CUDA_HOME."""
+    if os.environ.get(name.upper()):
+        return os.environ[name.upper()]
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for cand in sorted(glob.glob(os.path.join(base, "cu*", "bin", name))):
+            return cand
+    found = shutil.which(name)
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cand = os.path.join(home, "bin", name)
+    if os.path.exists(cand):
+        return cand
+    raise FileNotFoundError(f"{name} not found: pip install nvidia-cuda-{name} (requirements-dev.txt), "
+                            f"or set {name.upper()}=/path/to/{name}")
+
+
+def default_binary() -> Path:
+    found = sorted(ROOT.glob("gradfuse/_C*.so"))
+    if not found:
+        raise FileNotFoundError(f"no gradfuse/_C*.so in {ROOT}: build it first (scripts/setup.sh)")
+    return found[0]
+
+
+def disassemble(binary: os.PathLike, arch: str = BUDGET_ARCH) -> str:
+    """The SASS text of `binary` for `arch` ('' when it holds none for that arch)."""
+    out = subprocess.run([find_tool("cuobjdump"), "-sass", "-arch", arch, str(binary)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        if "does not contain" in out.stderr or "no device code" in out.stderr.lower():
+            return ""
+        raise RuntimeError(f"cuobjdump failed on {binary}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def split_functions(sass: str) -> dict[str, list[str]]:
+    """{mangled function name: its instructions in address order}."""
+    functions: dict[str, list[str]] = {}
+    current = None
+    for line in sass.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            if int(m.group(1), 16) != 16 * len(current):
+                raise ValueError(f"unexpected instruction address {m.group(1)} in {line!r}")
+            current.append(m.group(2))
+    return functions
+
+
+def loops(instructions: list[str]) -> list[Loop]:
+    """Every loop closed by a backward branch, as the address range [target, branch]."""
+    found = []
+    for i, ins in enumerate(instructions):
+        m = _BRANCH.match(ins)
+        if m:
+            target = int(m.group(1), 16) // 16
+            if target <= i:
+                body = instructions[target:i + 1]
+                found.append(Loop(target, i, len(body), sum(bool(_LOAD16.match(b)) for b in body)))
+    return found
+
+
+def steady_state_loop(instructions: list[str]) -> Loop | None:
+    """The innermost loop with the most 16-byte loads (then the most instructions), if any."""
+    all_loops = loops(instructions)
+    innermost = [lp for lp in all_loops
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in all_loops)]
+    streaming = [lp for lp in innermost if lp.loads16 > 0]
+    return max(streaming, key=lambda lp: (lp.loads16, lp.instructions), default=None)
+
+
+def stats_kernel_loops(sass: str) -> list[KernelLoop]:
+    """The steady-state loop of every stats_kernel instantiation in `sass`; raises when one of them
+    has no loop of 16-byte loads (then the rule above no longer describes the kernel)."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _STATS_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(1)]
+        loop = steady_state_loop(instructions)
+        if loop is None:
+            raise ValueError(f"no loop of 16-byte loads found in {name}")
+        result.append(KernelLoop(name, dtype, _MODES[m.group(2)], elem_bytes, loop))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (order.index(k.dtype), k.mode))
+
+
+def over_budget(kernels: list[KernelLoop]) -> list[KernelLoop]:
+    return [k for k in kernels if k.mode == "none" and k.dtype in BUDGET and k.per_element > BUDGET[k.dtype]]
+
+
+def report(kernels: list[KernelLoop], arch: str) -> str:
+    lines = [f"stats_kernel steady-state loop, {arch}",
+             f"{'dtype':<6}{'pow':<6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}{'budget':>8}"]
+    for k in kernels:
+        budget = BUDGET.get(k.dtype) if k.mode == "none" and arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  ok" if k.per_element <= budget else "  OVER BUDGET")
+        lines.append(f"{k.dtype:<6}{k.mode:<6}{k.loop.instructions:>11}{k.elements:>11}"
+                     f"{k.per_element:>11.2f}{'' if budget is None else f'{budget:g}':>8}{flag}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
+    ap.add_argument("--arch", default=BUDGET_ARCH, help=f"SASS architecture (default {BUDGET_ARCH}; "
+                    "the budget applies to it only)")
+    args = ap.parse_args(argv)
+    try:
+        binary = Path(args.binary) if args.binary else default_binary()
+        sass = disassemble(binary, args.arch)
+        kernels = stats_kernel_loops(sass)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"sass_budget: {e}", file=sys.stderr)
+        return 2
+    if not kernels:
+        print(f"sass_budget: no {args.arch} stats_kernel in {binary}", file=sys.stderr)
+        return 2
+    print(report(kernels, args.arch))
+    if args.arch == BUDGET_ARCH and over_budget(kernels):
+        print("over budget: " + ", ".join(k.dtype for k in over_budget(kernels)), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
