@@ -8,10 +8,14 @@ a margin under that. This script disassembles the sm_90 SASS of a build (cuobjdu
 package nvidia-cuda-cuobjdump or a CUDA toolkit), finds the steady-state loop of every
 stats_kernel instantiation itself, and prints instructions per element:
 
-  the steady-state loop = among the innermost loops (a backward branch and the instructions from
-  its target up to it) that contain 16-byte global loads, the one with the most such loads, then
-  the most instructions: the unrolled main loop. Elements per trip = 16-byte loads x 16 bytes /
-  element size; instructions per trip = every instruction in the loop body, as issued.
+  a loop = a backward branch and the instructions from its target up to it. The streaming loops
+  are those with 16-byte global loads that hold no other such loop. The kernel streams its chunk
+  in two passes (stats_math.h): pass 1 over every element, which accumulates the sum of squares
+  (an FFMA / DFMA), and pass 2, which counts NaN and Inf in the rare chunks that have them. The
+  steady-state loop is the streaming loop of pass 1 (with an FMA) with the most loads per trip
+  (the unrolled main loop, not the remainder), then the most instructions. Elements per trip =
+  16-byte loads x 16 bytes / element size; instructions per trip = every instruction in the loop
+  body, as issued.
 
 Usage:
   python scripts/sass_budget.py [BINARY] [--arch sm_90]
@@ -47,6 +51,7 @@ _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
 _LOAD16 = re.compile(r"^(?:@!?U?P\w+\s+)?LDG\.E\.128\b")
+_FMA = re.compile(r"^(?:@!?U?P\w+\s+)?[FD]FMA\b")
 
 
 @dataclasses.dataclass
@@ -55,6 +60,7 @@ class Loop:
     end: int  # index of the backward branch
     instructions: int
     loads16: int
+    has_fma: bool
 
 
 @dataclasses.dataclass
@@ -137,17 +143,17 @@ def loops(instructions: list[str]) -> list[Loop]:
             target = int(m.group(1), 16) // 16
             if target <= i:
                 body = instructions[target:i + 1]
-                found.append(Loop(target, i, len(body), sum(bool(_LOAD16.match(b)) for b in body)))
+                found.append(Loop(target, i, len(body), sum(bool(_LOAD16.match(b)) for b in body),
+                                  any(_FMA.match(b) for b in body)))
     return found
 
 
 def steady_state_loop(instructions: list[str]) -> Loop | None:
-    """The innermost loop with the most 16-byte loads (then the most instructions), if any."""
-    all_loops = loops(instructions)
-    innermost = [lp for lp in all_loops
-                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in all_loops)]
-    streaming = [lp for lp in innermost if lp.loads16 > 0]
-    return max(streaming, key=lambda lp: (lp.loads16, lp.instructions), default=None)
+    """The main loop of pass 1, by the rule of the module docstring; None without 16-byte loads."""
+    streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
+    streaming = [lp for lp in streaming
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+    return max(streaming, key=lambda lp: (lp.has_fma, lp.loads16, lp.instructions), default=None)
 
 
 def stats_kernel_loops(sass: str) -> list[KernelLoop]:

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -89,53 +90,104 @@ __device__ inline void warp_reduce(StatsAcc<acc_t>& s) {
   for (int delta = 16; delta > 0; delta /= 2) s.combine(shfl_down(s, delta));
 }
 
-template <typename scalar_t, PowMode mode>
-__global__ void __launch_bounds__(kStatsThreads)
-stats_kernel(const __grid_constant__ LaunchTable table, acc_of<scalar_t> p,
-             acc_of<scalar_t>* __restrict__ part_f, int64_t* __restrict__ part_c) {
-  using acc_t = acc_of<scalar_t>;
-  using P = Pack<scalar_t>;
-  const ChunkRef ref = locate_chunk(table);
-  const scalar_t* __restrict__ x = static_cast<const scalar_t*>(table.data[ref.tensor]) + ref.offset;
-  StatsAcc<acc_t> s;
-  int64_t i = 0;
-  if (reinterpret_cast<uintptr_t>(x) % sizeof(P) == 0) {
-    // Aligned fast path: kUnroll independent 16-byte loads per thread, then the arithmetic.
-    const P* xp = reinterpret_cast<const P*>(x);
-    const int64_t packs = ref.n / P::kSize;
-    constexpr int64_t kStride = int64_t(kStatsThreads) * kUnroll;
-    int64_t base = 0;
-    for (; base + kStride <= packs; base += kStride) {
-      P buf[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) buf[u] = xp[base + u * kStatsThreads + threadIdx.x];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int k = 0; k < P::kSize; ++k) s.template add<mode>(static_cast<acc_t>(buf[u].v[k]), p);
-      }
-    }
-    for (int64_t j = base + threadIdx.x; j < packs; j += kStatsThreads) {
-      const P v = xp[j];
-#pragma unroll
-      for (int k = 0; k < P::kSize; ++k) s.template add<mode>(static_cast<acc_t>(v.v[k]), p);
-    }
-    i = packs * P::kSize;
-  }
-  // Misaligned views and tails, element by element.
-  for (int64_t j = i + threadIdx.x; j < ref.n; j += kStatsThreads) {
-    s.template add<mode>(static_cast<acc_t>(x[j]), p);
-  }
-
+// The block's total, in thread 0 (the other threads get their warp's partial): the warp trees,
+// then thread 0 combines the warps in order. Every thread must call it. Its shared rows may be
+// written again by a later call only after another barrier (thread 0 reads them after this one).
+template <typename acc_t>
+__device__ inline StatsAcc<acc_t> block_reduce(StatsAcc<acc_t> s) {
+  constexpr int kWarps = kStatsThreads / 32;
+  __shared__ acc_t warp_f[kWarps][kNumFloatStats];
+  __shared__ int64_t warp_c[kWarps][kNumCountStats];
   warp_reduce(s);
-  __shared__ acc_t warp_f[kStatsThreads / 32][kNumFloatStats];
-  __shared__ int64_t warp_c[kStatsThreads / 32][kNumCountStats];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) s.store(warp_f[warp], warp_c[warp]);
   __syncthreads();
   if (threadIdx.x == 0) {
-    StatsAcc<acc_t> total = StatsAcc<acc_t>::load(warp_f[0], warp_c[0]);
-    for (int w = 1; w < kStatsThreads / 32; ++w) total.combine(StatsAcc<acc_t>::load(warp_f[w], warp_c[w]));
+    s = StatsAcc<acc_t>::load(warp_f[0], warp_c[0]);
+    for (int w = 1; w < kWarps; ++w) s.combine(StatsAcc<acc_t>::load(warp_f[w], warp_c[w]));
+  }
+  return s;
+}
+
+// Calls f(element as acc_t) for the elements of x[0, n) this thread owns, n <= kChunkElems.
+// Aligned fast path: kUnroll independent 16-byte loads per thread in flight, then the arithmetic;
+// misaligned views and tails element by element. 32-bit indices: a chunk is 65 536 elements.
+// Element k of a pack, as acc_t. bf16 is read from the 32-bit word that holds it, so the upper
+// element of a word costs one AND instead of an extract and a shift.
+template <typename scalar_t>
+__device__ inline acc_of<scalar_t> element(const Pack<scalar_t>& pack, int k) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    uint32_t word;
+    memcpy(&word, &pack.v[k & ~1], sizeof(word));
+    const uint32_t bits = k % 2 == 0 ? word << 16 : word & 0xffff0000u;
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+  } else {
+    return static_cast<acc_of<scalar_t>>(pack.v[k]);
+  }
+}
+
+template <typename scalar_t, typename F>
+__device__ inline void for_each_element(const scalar_t* __restrict__ x, int n, F&& f) {
+  using acc_t = acc_of<scalar_t>;
+  using P = Pack<scalar_t>;
+  const int tid = static_cast<int>(threadIdx.x);
+  int i = 0;
+  if (reinterpret_cast<uintptr_t>(x) % sizeof(P) == 0) {
+    const P* __restrict__ xp = reinterpret_cast<const P*>(x);
+    const int packs = n / P::kSize;
+    constexpr int kStride = kStatsThreads * kUnroll;
+    int base = 0;
+    for (; base + kStride <= packs; base += kStride) {
+      P buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) buf[u] = xp[base + u * kStatsThreads + tid];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < P::kSize; ++k) f(element(buf[u], k));
+      }
+    }
+    for (int j = base + tid; j < packs; j += kStatsThreads) {
+      const P v = xp[j];
+#pragma unroll
+      for (int k = 0; k < P::kSize; ++k) f(element(v, k));
+    }
+    i = packs * P::kSize;
+  }
+  for (int j = i + tid; j < n; j += kStatsThreads) f(static_cast<acc_t>(x[j]));
+}
+
+// One block per chunk, in the two passes of stats_math.h: pass 2 (NaN / Inf counts) only when
+// the block's sum of squares is not finite, decided once for the whole block.
+template <typename scalar_t, PowMode mode>
+__global__ void __launch_bounds__(kStatsThreads)
+stats_kernel(const __grid_constant__ LaunchTable table, acc_of<scalar_t> p,
+             acc_of<scalar_t>* __restrict__ part_f, int64_t* __restrict__ part_c) {
+  static_assert(kChunkElems <= (int64_t{1} << 24), "32-bit indices and float counts (ElemCount) per thread");
+  using acc_t = acc_of<scalar_t>;
+  const ChunkRef ref = locate_chunk(table);
+  const scalar_t* __restrict__ x = static_cast<const scalar_t*>(table.data[ref.tensor]) + ref.offset;
+  const int n = static_cast<int>(ref.n);
+
+  ElementAcc<acc_t> e;
+  for_each_element(x, n, [&](acc_t v) { e.template add<mode>(v, p); });
+  StatsAcc<acc_t> total = block_reduce(e.stats());
+
+  __shared__ bool count_nonfinite;
+  if (threadIdx.x == 0) count_nonfinite = needs_nonfinite_count(total);
+  __syncthreads();
+  if (count_nonfinite) {  // uniform over the block, so the barriers inside are reached by all
+    NonfiniteCount c;
+    for_each_element(x, n, [&](acc_t v) { c.add(v); });
+    StatsAcc<acc_t> counts;
+    counts.nan = c.nan;
+    counts.inf = c.inf;
+    counts = block_reduce(counts);
+    if (threadIdx.x == 0) total.set_nonfinite_counts(counts.nan, counts.inf);
+  }
+  if (threadIdx.x == 0) {
     const int64_t chunk = table.first_chunk[0] + blockIdx.x;
     total.store(part_f + chunk * kNumFloatStats, part_c + chunk * kNumCountStats);
   }
