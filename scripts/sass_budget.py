@@ -17,8 +17,12 @@ stats_kernel instantiation itself, and prints instructions per element:
   16-byte loads x 16 bytes / element size; instructions per trip = every instruction in the loop
   body, as issued.
 
+With --resources it also prints, per kernel, registers, spills, kernel-argument bytes, resident
+blocks per SM and the bytes its loads keep in flight per SM (Little's law: an H200 needs about
+4.8 TB/s x ~0.8 us / 132 SMs = 29 KB in flight per SM to reach its bandwidth).
+
 Usage:
-  python scripts/sass_budget.py [BINARY] [--arch sm_90]
+  python scripts/sass_budget.py [BINARY] [--arch sm_90] [--resources]
 BINARY is gradfuse/_C*.so of this checkout by default (or any .so / .cubin / fatbin). Exit status:
 0 within budget, 1 over budget, 2 when the SASS could not be read or a kernel's loop not found.
 """
@@ -42,16 +46,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
 BUDGET_ARCH = "sm_90"
 
-# Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode>.
+# Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode, Table>.
 _DTYPES = {"N3c108BFloat16E": ("bf16", 2), "N3c104HalfE": ("fp16", 2), "f": ("fp32", 4), "d": ("fp64", 8)}
 _STATS_KERNEL = re.compile(r"stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
 _MODES = {"0": "none", "1": "abs", "2": "pow"}
+_TABLE = re.compile(r"LaunchTableILi(\d+)E")
+_KERNEL = re.compile(r"gradfuse4cuda\d+(\w+?_kernel)I")
 
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
 _LOAD16 = re.compile(r"^(?:@!?U?P\w+\s+)?LDG\.E\.128\b")
 _FMA = re.compile(r"^(?:@!?U?P\w+\s+)?[FD]FMA\b")
+
+# sm_90 (H100 / H200) limits, for blocks per SM.
+SM90 = {"regs": 65536, "threads": 2048, "blocks": 32, "reg_unit": 256}
+STATS_THREADS = 256  # kStatsThreads of stats_kernels.cuh
 
 
 @dataclasses.dataclass
@@ -78,6 +88,19 @@ class KernelLoop:
     @property
     def per_element(self) -> float:
         return self.loop.instructions / self.elements
+
+    @property
+    def table(self) -> str:
+        m = _TABLE.search(self.kernel)
+        return m.group(1) if m else "-"
+
+
+@dataclasses.dataclass
+class Resources:
+    registers: int
+    local_bytes: int  # spills (and local arrays)
+    stack_bytes: int
+    param_bytes: int  # the kernel argument, copied for every launch
 
 
 def find_tool(name: str) -> str:
@@ -106,15 +129,20 @@ def default_binary() -> Path:
     return found[0]
 
 
-def disassemble(binary: os.PathLike, arch: str = BUDGET_ARCH) -> str:
-    """The SASS text of `binary` for `arch` ('' when it holds none for that arch)."""
-    out = subprocess.run([find_tool("cuobjdump"), "-sass", "-arch", arch, str(binary)],
+def cuobjdump(binary: os.PathLike, arch: str, what: str) -> str:
+    """`cuobjdump -<what> -arch <arch> binary` ('' when it holds no code for that arch)."""
+    out = subprocess.run([find_tool("cuobjdump"), f"-{what}", "-arch", arch, str(binary)],
                          capture_output=True, text=True)
     if out.returncode != 0:
         if "does not contain" in out.stderr or "no device code" in out.stderr.lower():
             return ""
-        raise RuntimeError(f"cuobjdump failed on {binary}: {out.stderr.strip()}")
+        raise RuntimeError(f"cuobjdump -{what} failed on {binary}: {out.stderr.strip()}")
     return out.stdout
+
+
+def disassemble(binary: os.PathLike, arch: str = BUDGET_ARCH) -> str:
+    """The SASS text of `binary` for `arch` ('' when it holds none for that arch)."""
+    return cuobjdump(binary, arch, "sass")
 
 
 def split_functions(sass: str) -> dict[str, list[str]]:
@@ -170,7 +198,38 @@ def stats_kernel_loops(sass: str) -> list[KernelLoop]:
             raise ValueError(f"no loop of 16-byte loads found in {name}")
         result.append(KernelLoop(name, dtype, _MODES[m.group(2)], elem_bytes, loop))
     order = list(v[0] for v in _DTYPES.values())
-    return sorted(result, key=lambda k: (order.index(k.dtype), k.mode))
+    return sorted(result, key=lambda k: (order.index(k.dtype), k.mode, int(k.table) if k.table.isdigit() else 0))
+
+
+def resources(binary: os.PathLike, arch: str = BUDGET_ARCH) -> dict[str, Resources]:
+    """{mangled kernel name: Resources} from cuobjdump -res-usage and the ELF's parameter info."""
+    usage = {}
+    name = None
+    for line in cuobjdump(binary, arch, "res-usage").splitlines():
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line)
+        if m and name:
+            usage[name] = (int(m.group(1)), int(m.group(3)), int(m.group(2)))
+    params: dict[str, int] = {}
+    name = None
+    for line in cuobjdump(binary, arch, "elf").splitlines():
+        if line.startswith(".nv.info."):
+            name = line[len(".nv.info."):].strip()
+            continue
+        m = re.search(r"Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)", line)
+        if m and name:
+            params[name] = max(params.get(name, 0), int(m.group(1), 16) + int(m.group(2), 16))
+    return {k: Resources(r, loc, st, params.get(k, 0)) for k, (r, loc, st) in usage.items()}
+
+
+def blocks_per_sm(registers: int, threads: int = STATS_THREADS) -> int:
+    """Resident blocks per sm_90 SM, limited by registers and threads (shared memory is tiny)."""
+    per_warp = -(-registers * 32 // SM90["reg_unit"]) * SM90["reg_unit"]
+    by_regs = SM90["regs"] // (per_warp * (threads // 32))
+    return min(by_regs, SM90["threads"] // threads, SM90["blocks"])
 
 
 def over_budget(kernels: list[KernelLoop]) -> list[KernelLoop]:
@@ -179,12 +238,33 @@ def over_budget(kernels: list[KernelLoop]) -> list[KernelLoop]:
 
 def report(kernels: list[KernelLoop], arch: str) -> str:
     lines = [f"stats_kernel steady-state loop, {arch}",
-             f"{'dtype':<6}{'pow':<6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}{'budget':>8}"]
+             f"{'dtype':<6}{'pow':<6}{'table':>6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}"
+             f"{'budget':>8}"]
     for k in kernels:
         budget = BUDGET.get(k.dtype) if k.mode == "none" and arch == BUDGET_ARCH else None
         flag = "" if budget is None else ("  ok" if k.per_element <= budget else "  OVER BUDGET")
-        lines.append(f"{k.dtype:<6}{k.mode:<6}{k.loop.instructions:>11}{k.elements:>11}"
+        lines.append(f"{k.dtype:<6}{k.mode:<6}{k.table:>6}{k.loop.instructions:>11}{k.elements:>11}"
                      f"{k.per_element:>11.2f}{'' if budget is None else f'{budget:g}':>8}{flag}")
+    return "\n".join(lines)
+
+
+def resource_report(res: dict[str, Resources], kernels: list[KernelLoop], arch: str) -> str:
+    loops_by_name = {k.kernel: k for k in kernels}
+    lines = [f"kernel resources, {arch} (in flight: 16-byte loads of one main-loop trip x resident threads)",
+             f"{'kernel':<16}{'dtype/pow':<11}{'table':>6}{'regs':>5}{'spill B':>8}{'stack B':>8}"
+             f"{'arg B':>7}{'blocks/SM':>10}{'KB in flight/SM':>16}"]
+    for name in sorted(res):
+        kind = _KERNEL.search(name)
+        if not kind:
+            continue
+        r, k = res[name], loops_by_name.get(name)
+        table = _TABLE.search(name)
+        label = f"{k.dtype}/{k.mode}" if k else ""
+        blocks = blocks_per_sm(r.registers) if k else None
+        flight = f"{blocks * STATS_THREADS * k.loop.loads16 * 16 / 1024:.0f}" if k else ""
+        lines.append(f"{kind.group(1):<16}{label:<11}{table.group(1) if table else '-':>6}{r.registers:>5}"
+                     f"{r.local_bytes:>8}{r.stack_bytes:>8}{r.param_bytes:>7}"
+                     f"{blocks if blocks else '':>10}{flight:>16}")
     return "\n".join(lines)
 
 
@@ -193,11 +273,13 @@ def main(argv=None) -> int:
     ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
     ap.add_argument("--arch", default=BUDGET_ARCH, help=f"SASS architecture (default {BUDGET_ARCH}; "
                     "the budget applies to it only)")
+    ap.add_argument("--resources", action="store_true", help="also print registers, spills, "
+                    "argument bytes and bytes in flight per kernel")
     args = ap.parse_args(argv)
     try:
         binary = Path(args.binary) if args.binary else default_binary()
-        sass = disassemble(binary, args.arch)
-        kernels = stats_kernel_loops(sass)
+        kernels = stats_kernel_loops(disassemble(binary, args.arch))
+        res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
         return 2
@@ -205,8 +287,11 @@ def main(argv=None) -> int:
         print(f"sass_budget: no {args.arch} stats_kernel in {binary}", file=sys.stderr)
         return 2
     print(report(kernels, args.arch))
+    if res is not None:
+        print()
+        print(resource_report(res, kernels, args.arch))
     if args.arch == BUDGET_ARCH and over_budget(kernels):
-        print("over budget: " + ", ".join(k.dtype for k in over_budget(kernels)), file=sys.stderr)
+        print("over budget: " + ", ".join(sorted({k.dtype for k in over_budget(kernels)})), file=sys.stderr)
         return 1
     return 0
 

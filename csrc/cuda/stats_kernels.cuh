@@ -39,14 +39,21 @@ constexpr int kFinalizeWarps = 4;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 // 3 x 8 bytes per tensor + header: 30 KB of the 32 KB kernel-argument space.
 constexpr int kMaxTensorsPerLaunch = 1280;
+// Groups this small launch with a 1.5 KB table instead: the whole argument is copied for every
+// launch, whatever the number of tensors in it.
+constexpr int kSmallTableTensors = 64;
 
+template <int kCapacity>
 struct LaunchTable {
+  static constexpr int kMaxTensors = kCapacity;
   int64_t num_tensors;
-  void* data[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int64_t first_chunk[kMaxTensorsPerLaunch + 1];  // global chunk ids (ChunkPlan)
+  void* data[kCapacity];
+  int64_t numel[kCapacity];
+  int64_t first_chunk[kCapacity + 1];  // global chunk ids (ChunkPlan)
 };
-static_assert(sizeof(LaunchTable) <= 32000, "LaunchTable must fit the 32 KB kernel argument");
+using LargeTable = LaunchTable<kMaxTensorsPerLaunch>;
+using SmallTable = LaunchTable<kSmallTableTensors>;
+static_assert(sizeof(LargeTable) <= 32000, "LaunchTable must fit the 32 KB kernel argument");
 
 template <typename scalar_t>
 using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -63,7 +70,8 @@ struct ChunkRef {
   int64_t n;       // elements in the chunk
 };
 
-__device__ inline ChunkRef locate_chunk(const LaunchTable& table) {
+template <typename Table>
+__device__ inline ChunkRef locate_chunk(const Table& table) {
   const int64_t chunk = table.first_chunk[0] + blockIdx.x;
   const int64_t t = owner_of_chunk(table.first_chunk, table.num_tensors, chunk);
   const int64_t offset = (chunk - table.first_chunk[t]) * kChunkElems;
@@ -161,9 +169,9 @@ __device__ inline void for_each_element(const scalar_t* __restrict__ x, int n, F
 
 // One block per chunk, in the two passes of stats_math.h: pass 2 (NaN / Inf counts) only when
 // the block's sum of squares is not finite, decided once for the whole block.
-template <typename scalar_t, PowMode mode>
+template <typename scalar_t, PowMode mode, typename Table>
 __global__ void __launch_bounds__(kStatsThreads)
-stats_kernel(const __grid_constant__ LaunchTable table, acc_of<scalar_t> p,
+stats_kernel(const __grid_constant__ Table table, acc_of<scalar_t> p,
              acc_of<scalar_t>* __restrict__ part_f, int64_t* __restrict__ part_c) {
   static_assert(kChunkElems <= (int64_t{1} << 24), "32-bit indices and float counts (ElemCount) per thread");
   using acc_t = acc_of<scalar_t>;
@@ -194,9 +202,9 @@ stats_kernel(const __grid_constant__ LaunchTable table, acc_of<scalar_t> p,
 }
 
 // One warp per tensor of the table: lane l takes chunks l, l+32, ... in order, then a fixed tree.
-template <typename acc_t>
+template <typename acc_t, typename Table>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
-finalize_kernel(const __grid_constant__ LaunchTable table, int64_t tensor_base,
+finalize_kernel(const __grid_constant__ Table table, int64_t tensor_base,
                 const acc_t* __restrict__ part_f, const int64_t* __restrict__ part_c,
                 double* __restrict__ out_f, int64_t* __restrict__ out_c) {
   const int64_t t = int64_t(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
@@ -214,9 +222,9 @@ finalize_kernel(const __grid_constant__ LaunchTable table, int64_t tensor_base,
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Table>
 __global__ void __launch_bounds__(kStatsThreads)
-scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* __restrict__ coef_ptr,
+scale_kernel(const __grid_constant__ Table table, const acc_of<scalar_t>* __restrict__ coef_ptr,
              bool conditional) {
   using acc_t = acc_of<scalar_t>;
   using P = Pack<scalar_t>;
@@ -240,21 +248,32 @@ scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* 
 }
 
 // Host side. Splits the spans into launch tables of at most kMaxTensorsPerLaunch tensors each and
-// calls launch(table, first tensor index, chunks in the table) for each table.
+// calls launch(table, first tensor index, chunks in the table) for each table: a SmallTable when
+// its tensors fit one, else a LargeTable.
+template <typename Table, typename F>
+void launch_table(const std::vector<Span>& spans, const ChunkPlan& plan, int64_t base, int64_t count,
+                  F& launch) {
+  Table table;
+  table.num_tensors = count;
+  for (int64_t k = 0; k < count; ++k) {
+    table.data[k] = spans[base + k].data;
+    table.numel[k] = spans[base + k].numel;
+    table.first_chunk[k] = plan.first_chunk[base + k];
+  }
+  table.first_chunk[count] = plan.first_chunk[base + count];
+  launch(table, base, table.first_chunk[count] - table.first_chunk[0]);
+}
+
 template <typename F>
 void for_each_table(const std::vector<Span>& spans, const ChunkPlan& plan, F&& launch) {
   const int64_t n = static_cast<int64_t>(spans.size());
   for (int64_t base = 0; base < n; base += kMaxTensorsPerLaunch) {
-    LaunchTable table;
-    table.num_tensors = std::min<int64_t>(kMaxTensorsPerLaunch, n - base);
-    for (int64_t k = 0; k < table.num_tensors; ++k) {
-      table.data[k] = spans[base + k].data;
-      table.numel[k] = spans[base + k].numel;
-      table.first_chunk[k] = plan.first_chunk[base + k];
+    const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, n - base);
+    if (count <= kSmallTableTensors) {
+      launch_table<SmallTable>(spans, plan, base, count, launch);
+    } else {
+      launch_table<LargeTable>(spans, plan, base, count, launch);
     }
-    table.first_chunk[table.num_tensors] = plan.first_chunk[base + table.num_tensors];
-    const int64_t chunks = table.first_chunk[table.num_tensors] - table.first_chunk[0];
-    launch(table, base, chunks);
   }
 }
 
@@ -265,17 +284,18 @@ void launch_stats(const std::vector<Span>& spans, const ChunkPlan& plan, PowMode
                   acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c,
                   Stream stream) {
   using acc_t = acc_of<scalar_t>;
-  for_each_table(spans, plan, [&](const LaunchTable& table, int64_t base, int64_t chunks) {
+  for_each_table(spans, plan, [&](const auto& table, int64_t base, int64_t chunks) {
+    using Table = std::decay_t<decltype(table)>;
     if (chunks > 0) {
       const auto grid = static_cast<unsigned>(chunks);
-      auto* kernel = mode == PowMode::kNone  ? &stats_kernel<scalar_t, PowMode::kNone>
-                     : mode == PowMode::kAbs ? &stats_kernel<scalar_t, PowMode::kAbs>
-                                             : &stats_kernel<scalar_t, PowMode::kPow>;
+      auto* kernel = mode == PowMode::kNone  ? &stats_kernel<scalar_t, PowMode::kNone, Table>
+                     : mode == PowMode::kAbs ? &stats_kernel<scalar_t, PowMode::kAbs, Table>
+                                             : &stats_kernel<scalar_t, PowMode::kPow, Table>;
       GRADFUSE_LAUNCH(kernel, grid, kStatsThreads, stream, table, acc_t(p), part_f, part_c);
     }
     // Tensors without elements still get their (zero) row from the finalise step.
     const auto blocks = static_cast<unsigned>((table.num_tensors + kFinalizeWarps - 1) / kFinalizeWarps);
-    auto* finalize = &finalize_kernel<acc_t>;
+    auto* finalize = &finalize_kernel<acc_t, Table>;
     GRADFUSE_LAUNCH(finalize, blocks, kFinalizeWarps * 32, stream, table, base,
                     static_cast<const acc_t*>(part_f), static_cast<const int64_t*>(part_c),
                     out_f, out_c);
@@ -287,9 +307,9 @@ void launch_stats(const std::vector<Span>& spans, const ChunkPlan& plan, PowMode
 template <typename scalar_t, typename Stream>
 void launch_scale(const std::vector<Span>& spans, const ChunkPlan& plan,
                   const acc_of<scalar_t>* coef, bool conditional, Stream stream) {
-  for_each_table(spans, plan, [&](const LaunchTable& table, int64_t, int64_t chunks) {
+  for_each_table(spans, plan, [&](const auto& table, int64_t, int64_t chunks) {
     if (chunks == 0) return;
-    auto* kernel = &scale_kernel<scalar_t>;
+    auto* kernel = &scale_kernel<scalar_t, std::decay_t<decltype(table)>>;
     GRADFUSE_LAUNCH(kernel, static_cast<unsigned>(chunks), kStatsThreads, stream, table, coef,
                     conditional);
   });
