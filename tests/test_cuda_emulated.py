@@ -111,7 +111,8 @@ def test_misaligned_views(emu, dtype):
 @pytest.mark.parametrize("dtype, layout", [
     (torch.float32, "empty_at_boundaries"), (torch.float32, "filled_at_boundaries"),
     (torch.float32, "empty_table"), (torch.float16, "empty_at_boundaries"),
-    (torch.bfloat16, "filled_at_boundaries"), (torch.float64, "empty_table")])
+    (torch.bfloat16, "filled_at_boundaries"), (torch.float64, "empty_table")],
+    ids=lambda v: str(v).replace("torch.", ""))
 def test_several_launch_tables(emu, dtype, layout):
     table = emu.max_tensors_per_launch()
     count = 2 * table + 5
