@@ -268,11 +268,13 @@ void fiber_main() {
 #if defined(__SANITIZE_ADDRESS__)
   __sanitizer_finish_switch_fiber(nullptr, &b.scheduler_stack, &b.scheduler_stack_size);
 #endif
+  std::string exception;  // fail() outside the handler: this stack is abandoned, not unwound
   try {
     b.thunk(b.ctx);
   } catch (const std::exception& e) {
-    fail(b, std::string("exception: ") + e.what());
+    exception = e.what();
   }
+  if (!exception.empty()) fail(b, "exception: " + exception);
   thread_exit(b);
 }
 

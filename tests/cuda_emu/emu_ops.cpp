@@ -5,7 +5,7 @@
 // include path.
 //
 // gradfuse_emu.selftest(name) runs small kernels that check the emulator itself: the semantics of
-// shuffles, votes and barriers, and that divergent warp operations, deadlocks and invalid
+// shuffles, votes, barriers and atomics, and that divergent warp operations, deadlocks and invalid
 // launches are reported instead of hanging.
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -1,7 +1,7 @@
 """Plants classic kernel bugs into a copy of csrc/, one at a time, and runs part of the emulated
 test grid against each: every bug must make it fail, for the reason expected.
 
-    python tests/cuda_emu/planted_bugs.py [name ...]   # about 5 minutes on 2 cores (four builds)
+    python tests/cuda_emu/planted_bugs.py [name ...]   # four builds: about 5 minutes on 2 cores
 
 The copies and their builds live in build/cuda_emu/planted/ (rebuilt only when csrc/ changes).
 Exit status 0 when every bug was caught and the unchanged kernels pass the same tests.
