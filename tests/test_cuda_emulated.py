@@ -33,6 +33,16 @@ def emu():
     return cuda_emu.load()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The emulator runs on one thread, and the many small reductions of the comparisons only lose
+    # to OpenMP wake-ups (seconds per test on a busy machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def randn(n, dtype, seed=0, nonzero=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g, dtype=torch.float64)
@@ -101,7 +111,8 @@ def test_misaligned_views(emu, dtype):
 @pytest.mark.parametrize("dtype, layout", [
     (torch.float32, "empty_at_boundaries"), (torch.float32, "filled_at_boundaries"),
     (torch.float32, "empty_table"), (torch.float16, "empty_at_boundaries"),
-    (torch.bfloat16, "filled_at_boundaries"), (torch.float64, "empty_table")])
+    (torch.bfloat16, "filled_at_boundaries"), (torch.float64, "empty_table")],
+    ids=lambda v: str(v).replace("torch.", ""))
 def test_several_launch_tables(emu, dtype, layout):
     table = emu.max_tensors_per_launch()
     count = 2 * table + 5
@@ -208,6 +219,7 @@ def test_emulated_warp_operations_follow_cuda(emu):
             (63 - t) ** 2,
         ])
     assert out.tolist() == expect
+    assert emu.selftest("atomics").tolist() == [64 * 256] * 2
 
 
 @pytest.mark.parametrize("name, message", [
@@ -234,8 +246,9 @@ def test_grid_under_sanitizers():
     out-of-bounds and misaligned accesses, and undefined behaviour, abort the run."""
     if cuda_emu.sanitizer_runtime() is None:
         pytest.skip("the C++ compiler has no libasan")
-    env = cuda_emu.sanitizer_env(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:randomly",
+    # Uncaptured and unbuffered: a sanitizer aborts the process, losing what pytest holds.
+    env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-s", "-p", "no:randomly",
                            "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
                           timeout=1200, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

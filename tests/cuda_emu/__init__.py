@@ -55,7 +55,7 @@ def load():
     sanitize = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
     csrc = Path(os.environ.get("GRADFUSE_EMU_CSRC", ROOT / "csrc")).resolve()
     flags = ["-Wall", "-Wno-unknown-pragmas", f"-I{csrc}"]
-    flags += ["-O1", "-g"] + SANITIZE_FLAGS if sanitize else ["-O2"]
+    flags += ["-O1", "-g1"] + SANITIZE_FLAGS if sanitize else ["-O2"]
     # One build directory (and library name) per variant, so that each stays cached.
     variant = ("asan" if sanitize else "opt") + (
         "" if csrc == ROOT / "csrc" else "_" + hashlib.sha1(str(csrc).encode()).hexdigest()[:8])

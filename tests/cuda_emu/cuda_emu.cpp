@@ -1,17 +1,23 @@
-// The runtime of the CUDA emulation (see cuda_emu.h): blocks run one after another on the calling
-// thread, each thread of a block is a fiber on its own stack, and the scheduler resumes ready
-// fibers in thread order until every thread has returned. A fiber gives up the CPU only when it
-// waits at __syncthreads or in a warp operation that not all of its lanes have reached yet.
+// The runtime of the CUDA emulation (see cuda_emu.h). The blocks of a grid are shared out among
+// worker threads (CUDA_EMU_THREADS, default one per core); a worker runs one block at a time, each
+// thread of the block a fiber on its own stack, resuming ready fibers in thread order until every
+// thread has returned. A fiber gives up the CPU only when it waits at __syncthreads or in a warp
+// operation that not all of its lanes have reached yet.
 #include "cuda_emu.h"
 
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -127,7 +133,8 @@ std::vector<int> lanes_of(unsigned bits) {
   return ids;
 }
 
-// Fiber stacks of one OS thread, reused by every block it runs.
+// The fiber stacks of one worker thread, kept for the next launch: mapping and first touching
+// them costs more than running a small block.
 struct StackPool {
   std::vector<char*> stacks;
   char* get(size_t i) {
@@ -163,7 +170,22 @@ struct Block {
 };
 
 thread_local Block* t_block = nullptr;
-thread_local StackPool t_stacks;
+
+std::mutex g_pools_mutex;
+std::vector<std::unique_ptr<StackPool>> g_free_pools;
+
+std::unique_ptr<StackPool> take_pool() {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  if (g_free_pools.empty()) return std::make_unique<StackPool>();
+  auto pool = std::move(g_free_pools.back());
+  g_free_pools.pop_back();
+  return pool;
+}
+
+void return_pool(std::unique_ptr<StackPool> pool) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  g_free_pools.push_back(std::move(pool));
+}
 
 void switch_context(Context& from, Context& to) {
 #ifdef CUDA_EMU_USE_UCONTEXT
@@ -246,11 +268,13 @@ void fiber_main() {
 #if defined(__SANITIZE_ADDRESS__)
   __sanitizer_finish_switch_fiber(nullptr, &b.scheduler_stack, &b.scheduler_stack_size);
 #endif
+  std::string exception;  // fail() outside the handler: this stack is abandoned, not unwound
   try {
     b.thunk(b.ctx);
   } catch (const std::exception& e) {
-    fail(b, std::string("exception: ") + e.what());
+    exception = e.what();
   }
+  if (!exception.empty()) fail(b, "exception: " + exception);
   thread_exit(b);
 }
 
@@ -346,8 +370,73 @@ std::string kernel_name(const void* kernel) {
   return buf;
 }
 
-std::string dims(dim3 d) {
+template <typename D>  // dim3 or uint3
+std::string dims(D d) {
   return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
+}
+
+// What the worker threads of one launch share. Blocks are independent, so each worker runs the
+// next block not yet taken; the error reported is that of the first failing block.
+struct Launch {
+  dim3 grid, block;
+  Thunk thunk;
+  void* ctx;
+  uint64_t num_blocks;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  uint3 failed_block{};
+  uint64_t failed_index = ~uint64_t{0};
+  std::string error;
+
+  void fail(uint64_t index, uint3 where, const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (index < failed_index) failed_index = index, failed_block = where, error = what;
+    failed = true;
+  }
+};
+
+// CUDA_EMU_THREADS, else one per core.
+unsigned worker_threads() {
+  static const unsigned n = [] {
+    const char* env = std::getenv("CUDA_EMU_THREADS");
+    const int v = env ? std::atoi(env) : int(std::thread::hardware_concurrency());
+    return unsigned(std::max(v, 1));
+  }();
+  return n;
+}
+
+void run_blocks(Launch& launch) {
+  auto stacks = take_pool();
+  const dim3 grid = launch.grid, block = launch.block;
+  const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+  Block b;
+  b.thunk = launch.thunk;
+  b.ctx = launch.ctx;
+  b.fibers.resize(threads);
+  b.warps.resize((threads + 31) / 32);
+  uint64_t i = 0;
+  try {
+    for (uint64_t t = 0; t < threads; ++t) {
+      b.fibers[t].stack = stacks->get(t);
+      b.fibers[t].tid = {unsigned(t % block.x), unsigned(t / block.x % block.y), unsigned(t / (block.x * block.y))};
+    }
+    gridDim = grid;
+    blockDim = block;
+    t_block = &b;
+    while (!launch.failed && (i = launch.next++) < launch.num_blocks) {
+      blockIdx = {unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
+      run_block(b);
+      if (!b.error.empty()) {
+        for (const Fiber& f : b.fibers) unpoison_stack(f, kStackBytes);
+        launch.fail(i, blockIdx, b.error);
+      }
+    }
+  } catch (const std::exception& e) {
+    launch.fail(i, blockIdx, e.what());
+  }
+  t_block = nullptr;
+  return_pool(std::move(stacks));
 }
 
 }  // namespace
@@ -440,33 +529,16 @@ void run_grid(dim3 grid, dim3 block, Thunk thunk, void* ctx, const void* kernel,
   }
   if (t_block != nullptr) throw launch_error("a kernel cannot launch another in the emulator");
 
-  Block b;
-  b.thunk = thunk;
-  b.ctx = ctx;
-  b.fibers.resize(threads);
-  b.warps.resize((threads + 31) / 32);
-  for (uint64_t i = 0; i < threads; ++i) {
-    b.fibers[i].stack = t_stacks.get(i);
-    b.fibers[i].tid = {unsigned(i % block.x), unsigned(i / block.x % block.y), unsigned(i / (block.x * block.y))};
+  Launch launch{grid, block, thunk, ctx, uint64_t(grid.x) * grid.y * grid.z};
+  const unsigned workers = static_cast<unsigned>(std::min<uint64_t>(worker_threads(), launch.num_blocks));
+  std::vector<std::thread> helpers;
+  for (unsigned w = 1; w < workers; ++w) helpers.emplace_back(run_blocks, std::ref(launch));
+  run_blocks(launch);
+  for (auto& t : helpers) t.join();
+  if (launch.failed) {
+    throw std::runtime_error("cuda_emu: " + kernel_name(kernel) + ", block " + dims(launch.failed_block) +
+                             " of grid " + dims(grid) + ", " + dims(block) + " threads: " + launch.error);
   }
-  gridDim = grid;
-  blockDim = block;
-  t_block = &b;
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = {x, y, z};
-        run_block(b);
-        if (!b.error.empty()) {
-          for (const Fiber& f : b.fibers) unpoison_stack(f, kStackBytes);
-          t_block = nullptr;
-          throw std::runtime_error("cuda_emu: " + kernel_name(kernel) + ", block " + dims({x, y, z}) +
-                                   " of grid " + dims(grid) + ", " + dims(block) + " threads: " + b.error);
-        }
-      }
-    }
-  }
-  t_block = nullptr;
 }
 
 }  // namespace cuda_emu

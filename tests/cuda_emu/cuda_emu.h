@@ -1,15 +1,16 @@
 // CUDA emulation for g++: enough of CUDA C++ to compile gradfuse's device code unchanged and run
 // it on the CPU, for tests on machines without a GPU.
 //
-// Execution model (cuda_emu.cpp): the blocks of a grid run one after another; the threads of a
-// block are cooperative fibers that switch only at __syncthreads and at warp operations
-// (shuffles, votes, __syncwarp). Barriers and shuffles therefore have exact CUDA semantics, and
-// one reached by only part of its block or warp is reported as a deadlock naming the block,
-// instead of hanging. __shared__ variables are static thread_local: shared by the threads of the
-// running block, one copy per instantiation, as on the GPU.
+// Execution model (cuda_emu.cpp): blocks run independently on worker threads, one block at a
+// time per worker; the threads of a block are cooperative fibers that switch only at
+// __syncthreads and at warp operations (shuffles, votes, __syncwarp). Barriers and shuffles
+// therefore have exact CUDA semantics, and one reached by only part of its block or warp is
+// reported as a deadlock naming the block, instead of hanging. __shared__ variables are static
+// thread_local: shared by the threads of the block a worker runs, one copy per instantiation.
 //
-// Not modelled: concurrency between blocks, memory ordering and races under real scheduling,
-// timing, nvcc's FMA contraction and fast-math approximations, __launch_bounds__ limits.
+// Not modelled: races between the threads of a block under real scheduling (a fiber runs until
+// it waits), the memory model, timing, nvcc's FMA contraction and fast-math approximations,
+// __launch_bounds__ limits, dynamic shared memory, dynamic parallelism.
 //
 // Launch with cuda_emu::launch(kernel, grid, block, args...) where CUDA writes
 // kernel<<<grid, block>>>(args...); it runs the whole grid before returning and throws
@@ -34,7 +35,6 @@ static_assert(std::is_same_v<decltype(::fabs(1.0f)), float>, "::fabs(float) must
 #define __device__
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
-#define __noinline__ __attribute__((noinline))
 #define __shared__ static thread_local
 #define __grid_constant__
 #define __launch_bounds__(...)
@@ -128,8 +128,8 @@ inline void __syncthreads() { cuda_emu::syncthreads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   cuda_emu::warp_collective(cuda_emu::WarpOp::kSyncWarp, mask, 0, 0, warpSize);
 }
-inline void __threadfence() {}        // one block runs at a time: memory is always coherent
-inline void __threadfence_block() {}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_block() {}  // the threads of a block share one OS thread
 
 #define CUDA_EMU_SHUFFLE(name, op, Arg)                                                        \
   template <typename T>                                                                        \
@@ -159,18 +159,23 @@ inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 
-// Fibers are never preempted, so a read-modify-write is atomic.
+// Blocks run concurrently on worker threads.
 template <typename T>
 T atomicAdd(T* address, T val) {
-  T old = *address;
-  *address = old + val;
-  return old;
+  if constexpr (std::is_integral_v<T>) {
+    return __atomic_fetch_add(address, val, __ATOMIC_RELAXED);
+  } else {
+    T old, sum;
+    __atomic_load(address, &old, __ATOMIC_RELAXED);
+    do sum = old + val;
+    while (!__atomic_compare_exchange(address, &old, &sum, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return old;
+  }
 }
 template <typename T>
 T atomicCAS(T* address, T compare, T val) {
-  T old = *address;
-  if (old == compare) *address = val;
-  return old;
+  __atomic_compare_exchange_n(address, &compare, val, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;
 }
 template <typename T>
 T __ldg(const T* p) {

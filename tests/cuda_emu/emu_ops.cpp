@@ -5,7 +5,7 @@
 // include path.
 //
 // gradfuse_emu.selftest(name) runs small kernels that check the emulator itself: the semantics of
-// shuffles, votes and barriers, and that divergent warp operations, deadlocks and invalid
+// shuffles, votes, barriers and atomics, and that divergent warp operations, deadlocks and invalid
 // launches are reported instead of hanging.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -65,6 +65,12 @@ __global__ void warp_ops(int64_t* out) {
   row[9] = slot[blockDim.x - 1 - t];
 }
 
+// Every thread of every block adds 1: exact only if the adds are atomic across worker threads.
+__global__ void atomics(float* f, unsigned long long* u) {
+  atomicAdd(f, 1.0f);
+  atomicAdd(u, 1ull);
+}
+
 // Planted bugs: each must make the launch throw, naming the block.
 __global__ void divergent_shuffle() {
   if (threadIdx.x % 32 < 16) __shfl_down_sync(0xffffffffu, 1, 1);
@@ -87,6 +93,12 @@ at::Tensor run(const std::string& name) {
     auto out = at::full({grid.x * block.x, kCols}, int64_t{-7}, at::kLong);
     cuda_emu::launch(warp_ops, grid, block, out.data_ptr<int64_t>());
     return out;
+  }
+  if (name == "atomics") {
+    auto f = at::zeros({1}, at::kFloat);
+    auto u = at::zeros({1}, at::kLong);
+    cuda_emu::launch(atomics, 64, 256, f.data_ptr<float>(), reinterpret_cast<unsigned long long*>(u.data_ptr<int64_t>()));
+    return at::cat({f.to(at::kLong), u});
   }
   if (name == "divergent_shuffle") cuda_emu::launch(divergent_shuffle, 3, 64);
   else if (name == "barrier_in_divergent_code") cuda_emu::launch(barrier_in_divergent_code, 2, 64);
