@@ -52,11 +52,11 @@ int64_t for_each_vector_pair(const scalar_t* x, int64_t n, F&& f) {
   return i;
 }
 
-// Lane sums. A float lane that adds thousands of values in sequence drifts far from float64
-// (each addition rounds at the size of the running sum: 2.3e-4 relative on 196 613 values of
-// +-1e30), so they are blocked: each stream's running sums take kRun steps, then both streams
-// fold into `mid`, which folds into `top` every kRun runs. A lane of a 65 536-element chunk then
-// adds at most 32 + 64 + 4 terms in sequence instead of 4 096 (6.8e-7 on that input).
+// Lane sums. A float sum of thousands of values in sequence drifts from float64 (each addition
+// rounds at the size of the running sum), so they are blocked: each stream's running sums take
+// kRun steps, then both streams fold into `mid`, which folds into `top` every kRun runs. A lane
+// of a 65 536-element chunk adds at most 32 + 64 + 4 terms in sequence instead of 4 096. On
+// 196 613 values of +-1e30, sum |x| is 6.8e-7 off float64 (a 65 536-long sequence: 2.3e-4).
 template <typename acc_t>
 struct LaneSums {
   using V = Vectorized<acc_t>;
