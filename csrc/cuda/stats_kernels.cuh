@@ -8,11 +8,14 @@
 // emulator's launcher under g++.
 //
 // One launch covers up to kMaxTensorsPerLaunch tensors, whatever their sizes: their addresses,
-// sizes and chunk ids travel in the kernel argument (CUDA >= 12.1 allows 32 KB), each block
-// finds its (tensor, chunk) by binary search over that table (chunk_plan.h, shared with the CPU).
-// Statistics are reduced in two stages with no float atomics, so results are bitwise stable:
-// one block per chunk writes a partial row, then one warp per tensor combines that tensor's rows
-// in chunk order, in double. Nothing here waits for the host.
+// sizes and chunk ids travel in the kernel argument (CUDA >= 12.1 allows 32 KB; groups of at most
+// kSmallTableTensors get a 1.5 KB table, as the whole argument is copied at every launch), each
+// block finds its (tensor, chunk) by binary search over that table (chunk_plan.h, shared with
+// the CPU). A block reduces its chunk in the two passes of stats_math.h; the hot one costs about
+// 6 instructions per element on sm_90 (scripts/sass_budget.py checks the emitted SASS). Results
+// are reduced in two stages with no float atomics, so they are bitwise stable: one block per
+// chunk writes a partial row, then one warp per tensor combines that tensor's rows in chunk
+// order, in double. Nothing here waits for the host.
 #pragma once
 
 #ifndef GRADFUSE_LAUNCH
@@ -25,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -38,14 +42,21 @@ constexpr int kFinalizeWarps = 4;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 // 3 x 8 bytes per tensor + header: 30 KB of the 32 KB kernel-argument space.
 constexpr int kMaxTensorsPerLaunch = 1280;
+// Groups this small launch with a 1.5 KB table instead: the whole argument is copied for every
+// launch, whatever the number of tensors in it.
+constexpr int kSmallTableTensors = 64;
 
+template <int kCapacity>
 struct LaunchTable {
+  static constexpr int kMaxTensors = kCapacity;
   int64_t num_tensors;
-  void* data[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int64_t first_chunk[kMaxTensorsPerLaunch + 1];  // global chunk ids (ChunkPlan)
+  void* data[kCapacity];
+  int64_t numel[kCapacity];
+  int64_t first_chunk[kCapacity + 1];  // global chunk ids (ChunkPlan)
 };
-static_assert(sizeof(LaunchTable) <= 32000, "LaunchTable must fit the 32 KB kernel argument");
+using LargeTable = LaunchTable<kMaxTensorsPerLaunch>;
+using SmallTable = LaunchTable<kSmallTableTensors>;
+static_assert(sizeof(LargeTable) <= 32000, "LaunchTable must fit the 32 KB kernel argument");
 
 template <typename scalar_t>
 using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -62,7 +73,8 @@ struct ChunkRef {
   int64_t n;       // elements in the chunk
 };
 
-__device__ inline ChunkRef locate_chunk(const LaunchTable& table) {
+template <typename Table>
+__device__ inline ChunkRef locate_chunk(const Table& table) {
   const int64_t chunk = table.first_chunk[0] + blockIdx.x;
   const int64_t t = owner_of_chunk(table.first_chunk, table.num_tensors, chunk);
   const int64_t offset = (chunk - table.first_chunk[t]) * kChunkElems;
@@ -89,62 +101,113 @@ __device__ inline void warp_reduce(StatsAcc<acc_t>& s) {
   for (int delta = 16; delta > 0; delta /= 2) s.combine(shfl_down(s, delta));
 }
 
-template <typename scalar_t, PowMode mode>
-__global__ void __launch_bounds__(kStatsThreads)
-stats_kernel(const __grid_constant__ LaunchTable table, acc_of<scalar_t> p,
-             acc_of<scalar_t>* __restrict__ part_f, int64_t* __restrict__ part_c) {
-  using acc_t = acc_of<scalar_t>;
-  using P = Pack<scalar_t>;
-  const ChunkRef ref = locate_chunk(table);
-  const scalar_t* __restrict__ x = static_cast<const scalar_t*>(table.data[ref.tensor]) + ref.offset;
-  StatsAcc<acc_t> s;
-  int64_t i = 0;
-  if (reinterpret_cast<uintptr_t>(x) % sizeof(P) == 0) {
-    // Aligned fast path: kUnroll independent 16-byte loads per thread, then the arithmetic.
-    const P* xp = reinterpret_cast<const P*>(x);
-    const int64_t packs = ref.n / P::kSize;
-    constexpr int64_t kStride = int64_t(kStatsThreads) * kUnroll;
-    int64_t base = 0;
-    for (; base + kStride <= packs; base += kStride) {
-      P buf[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) buf[u] = xp[base + u * kStatsThreads + threadIdx.x];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int k = 0; k < P::kSize; ++k) s.template add<mode>(static_cast<acc_t>(buf[u].v[k]), p);
-      }
-    }
-    for (int64_t j = base + threadIdx.x; j < packs; j += kStatsThreads) {
-      const P v = xp[j];
-#pragma unroll
-      for (int k = 0; k < P::kSize; ++k) s.template add<mode>(static_cast<acc_t>(v.v[k]), p);
-    }
-    i = packs * P::kSize;
-  }
-  // Misaligned views and tails, element by element.
-  for (int64_t j = i + threadIdx.x; j < ref.n; j += kStatsThreads) {
-    s.template add<mode>(static_cast<acc_t>(x[j]), p);
-  }
-
+// The block's total, in thread 0 (the other threads get their warp's partial): the warp trees,
+// then thread 0 combines the warps in order. Every thread must call it. Its shared rows may be
+// written again by a later call only after another barrier (thread 0 reads them after this one).
+template <typename acc_t>
+__device__ inline StatsAcc<acc_t> block_reduce(StatsAcc<acc_t> s) {
+  constexpr int kWarps = kStatsThreads / 32;
+  __shared__ acc_t warp_f[kWarps][kNumFloatStats];
+  __shared__ int64_t warp_c[kWarps][kNumCountStats];
   warp_reduce(s);
-  __shared__ acc_t warp_f[kStatsThreads / 32][kNumFloatStats];
-  __shared__ int64_t warp_c[kStatsThreads / 32][kNumCountStats];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) s.store(warp_f[warp], warp_c[warp]);
   __syncthreads();
   if (threadIdx.x == 0) {
-    StatsAcc<acc_t> total = StatsAcc<acc_t>::load(warp_f[0], warp_c[0]);
-    for (int w = 1; w < kStatsThreads / 32; ++w) total.combine(StatsAcc<acc_t>::load(warp_f[w], warp_c[w]));
+    s = StatsAcc<acc_t>::load(warp_f[0], warp_c[0]);
+    for (int w = 1; w < kWarps; ++w) s.combine(StatsAcc<acc_t>::load(warp_f[w], warp_c[w]));
+  }
+  return s;
+}
+
+// Calls f(element as acc_t) for the elements of x[0, n) this thread owns, n <= kChunkElems.
+// Aligned fast path: kUnroll independent 16-byte loads per thread in flight, then the arithmetic;
+// misaligned views and tails element by element. 32-bit indices: a chunk is 65 536 elements.
+// Element k of a pack, as acc_t. bf16 is read from the 32-bit word that holds it, so the upper
+// element of a word costs one AND instead of an extract and a shift.
+template <typename scalar_t>
+__device__ inline acc_of<scalar_t> element(const Pack<scalar_t>& pack, int k) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    uint32_t word;
+    memcpy(&word, &pack.v[k & ~1], sizeof(word));
+    const uint32_t bits = k % 2 == 0 ? word << 16 : word & 0xffff0000u;
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+  } else {
+    return static_cast<acc_of<scalar_t>>(pack.v[k]);
+  }
+}
+
+template <typename scalar_t, typename F>
+__device__ inline void for_each_element(const scalar_t* __restrict__ x, int n, F&& f) {
+  using acc_t = acc_of<scalar_t>;
+  using P = Pack<scalar_t>;
+  const int tid = static_cast<int>(threadIdx.x);
+  int i = 0;
+  if (reinterpret_cast<uintptr_t>(x) % sizeof(P) == 0) {
+    const P* __restrict__ xp = reinterpret_cast<const P*>(x);
+    const int packs = n / P::kSize;
+    constexpr int kStride = kStatsThreads * kUnroll;
+    int base = 0;
+    for (; base + kStride <= packs; base += kStride) {
+      P buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) buf[u] = xp[base + u * kStatsThreads + tid];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < P::kSize; ++k) f(element(buf[u], k));
+      }
+    }
+    for (int j = base + tid; j < packs; j += kStatsThreads) {
+      const P v = xp[j];
+#pragma unroll
+      for (int k = 0; k < P::kSize; ++k) f(element(v, k));
+    }
+    i = packs * P::kSize;
+  }
+  for (int j = i + tid; j < n; j += kStatsThreads) f(static_cast<acc_t>(x[j]));
+}
+
+// One block per chunk, in the two passes of stats_math.h: pass 2 (NaN / Inf counts) only when
+// the block's sum of squares is not finite, decided once for the whole block.
+template <typename scalar_t, PowMode mode, typename Table>
+__global__ void __launch_bounds__(kStatsThreads)
+stats_kernel(const __grid_constant__ Table table, acc_of<scalar_t> p,
+             acc_of<scalar_t>* __restrict__ part_f, int64_t* __restrict__ part_c) {
+  static_assert(kChunkElems <= (int64_t{1} << 24), "32-bit indices and float counts (ElemCount) per thread");
+  using acc_t = acc_of<scalar_t>;
+  const ChunkRef ref = locate_chunk(table);
+  const scalar_t* __restrict__ x = static_cast<const scalar_t*>(table.data[ref.tensor]) + ref.offset;
+  const int n = static_cast<int>(ref.n);
+
+  ElementAcc<acc_t> e;
+  for_each_element(x, n, [&](acc_t v) { e.template add<mode>(v, p); });
+  StatsAcc<acc_t> total = block_reduce(e.stats());
+
+  __shared__ bool count_nonfinite;
+  if (threadIdx.x == 0) count_nonfinite = needs_nonfinite_count(total);
+  __syncthreads();
+  if (count_nonfinite) {  // uniform over the block, so the barriers inside are reached by all
+    NonfiniteCount c;
+    for_each_element(x, n, [&](acc_t v) { c.add(v); });
+    StatsAcc<acc_t> counts;
+    counts.nan = c.nan;
+    counts.inf = c.inf;
+    counts = block_reduce(counts);
+    if (threadIdx.x == 0) total.set_nonfinite_counts(counts.nan, counts.inf);
+  }
+  if (threadIdx.x == 0) {
     const int64_t chunk = table.first_chunk[0] + blockIdx.x;
     total.store(part_f + chunk * kNumFloatStats, part_c + chunk * kNumCountStats);
   }
 }
 
 // One warp per tensor of the table: lane l takes chunks l, l+32, ... in order, then a fixed tree.
-template <typename acc_t>
+template <typename acc_t, typename Table>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
-finalize_kernel(const __grid_constant__ LaunchTable table, int64_t tensor_base,
+finalize_kernel(const __grid_constant__ Table table, int64_t tensor_base,
                 const acc_t* __restrict__ part_f, const int64_t* __restrict__ part_c,
                 double* __restrict__ out_f, int64_t* __restrict__ out_c) {
   const int64_t t = int64_t(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
@@ -162,9 +225,9 @@ finalize_kernel(const __grid_constant__ LaunchTable table, int64_t tensor_base,
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Table>
 __global__ void __launch_bounds__(kStatsThreads)
-scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* __restrict__ coef_ptr,
+scale_kernel(const __grid_constant__ Table table, const acc_of<scalar_t>* __restrict__ coef_ptr,
              bool conditional) {
   using acc_t = acc_of<scalar_t>;
   using P = Pack<scalar_t>;
@@ -188,21 +251,32 @@ scale_kernel(const __grid_constant__ LaunchTable table, const acc_of<scalar_t>* 
 }
 
 // Host side. Splits the spans into launch tables of at most kMaxTensorsPerLaunch tensors each and
-// calls launch(table, first tensor index, chunks in the table) for each table.
+// calls launch(table, first tensor index, chunks in the table) for each table: a SmallTable when
+// its tensors fit one, else a LargeTable.
+template <typename Table, typename F>
+void launch_table(const std::vector<Span>& spans, const ChunkPlan& plan, int64_t base, int64_t count,
+                  F& launch) {
+  Table table;
+  table.num_tensors = count;
+  for (int64_t k = 0; k < count; ++k) {
+    table.data[k] = spans[base + k].data;
+    table.numel[k] = spans[base + k].numel;
+    table.first_chunk[k] = plan.first_chunk[base + k];
+  }
+  table.first_chunk[count] = plan.first_chunk[base + count];
+  launch(table, base, table.first_chunk[count] - table.first_chunk[0]);
+}
+
 template <typename F>
 void for_each_table(const std::vector<Span>& spans, const ChunkPlan& plan, F&& launch) {
   const int64_t n = static_cast<int64_t>(spans.size());
   for (int64_t base = 0; base < n; base += kMaxTensorsPerLaunch) {
-    LaunchTable table;
-    table.num_tensors = std::min<int64_t>(kMaxTensorsPerLaunch, n - base);
-    for (int64_t k = 0; k < table.num_tensors; ++k) {
-      table.data[k] = spans[base + k].data;
-      table.numel[k] = spans[base + k].numel;
-      table.first_chunk[k] = plan.first_chunk[base + k];
+    const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, n - base);
+    if (count <= kSmallTableTensors) {
+      launch_table<SmallTable>(spans, plan, base, count, launch);
+    } else {
+      launch_table<LargeTable>(spans, plan, base, count, launch);
     }
-    table.first_chunk[table.num_tensors] = plan.first_chunk[base + table.num_tensors];
-    const int64_t chunks = table.first_chunk[table.num_tensors] - table.first_chunk[0];
-    launch(table, base, chunks);
   }
 }
 
@@ -213,17 +287,18 @@ void launch_stats(const std::vector<Span>& spans, const ChunkPlan& plan, PowMode
                   acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c,
                   Stream stream) {
   using acc_t = acc_of<scalar_t>;
-  for_each_table(spans, plan, [&](const LaunchTable& table, int64_t base, int64_t chunks) {
+  for_each_table(spans, plan, [&](const auto& table, int64_t base, int64_t chunks) {
+    using Table = std::decay_t<decltype(table)>;
     if (chunks > 0) {
       const auto grid = static_cast<unsigned>(chunks);
-      auto* kernel = mode == PowMode::kNone  ? &stats_kernel<scalar_t, PowMode::kNone>
-                     : mode == PowMode::kAbs ? &stats_kernel<scalar_t, PowMode::kAbs>
-                                             : &stats_kernel<scalar_t, PowMode::kPow>;
+      auto* kernel = mode == PowMode::kNone  ? &stats_kernel<scalar_t, PowMode::kNone, Table>
+                     : mode == PowMode::kAbs ? &stats_kernel<scalar_t, PowMode::kAbs, Table>
+                                             : &stats_kernel<scalar_t, PowMode::kPow, Table>;
       GRADFUSE_LAUNCH(kernel, grid, kStatsThreads, stream, table, acc_t(p), part_f, part_c);
     }
     // Tensors without elements still get their (zero) row from the finalise step.
     const auto blocks = static_cast<unsigned>((table.num_tensors + kFinalizeWarps - 1) / kFinalizeWarps);
-    auto* finalize = &finalize_kernel<acc_t>;
+    auto* finalize = &finalize_kernel<acc_t, Table>;
     GRADFUSE_LAUNCH(finalize, blocks, kFinalizeWarps * 32, stream, table, base,
                     static_cast<const acc_t*>(part_f), static_cast<const int64_t*>(part_c),
                     out_f, out_c);
@@ -235,9 +310,9 @@ void launch_stats(const std::vector<Span>& spans, const ChunkPlan& plan, PowMode
 template <typename scalar_t, typename Stream>
 void launch_scale(const std::vector<Span>& spans, const ChunkPlan& plan,
                   const acc_of<scalar_t>* coef, bool conditional, Stream stream) {
-  for_each_table(spans, plan, [&](const LaunchTable& table, int64_t, int64_t chunks) {
+  for_each_table(spans, plan, [&](const auto& table, int64_t, int64_t chunks) {
     if (chunks == 0) return;
-    auto* kernel = &scale_kernel<scalar_t>;
+    auto* kernel = &scale_kernel<scalar_t, std::decay_t<decltype(table)>>;
     GRADFUSE_LAUNCH(kernel, static_cast<unsigned>(chunks), kStatsThreads, stream, table, coef,
                     conditional);
   });

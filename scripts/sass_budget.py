@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Instruction budget of the stats kernel, read from the machine code the compiler emitted.
+
+A streaming kernel runs at min(memory bandwidth, issue rate / instructions per element). On an
+H200 (4.8 TB/s, about 33.5e12 thread-instructions/s) a 2-byte element may cost at most ~14
+instructions and a 4-byte element ~28 before the kernel is compute-bound; the budgets below keep
+a margin under that. This script disassembles the sm_90 SASS of a build (cuobjdump, from the pip
+package nvidia-cuda-cuobjdump or a CUDA toolkit), finds the steady-state loop of every
+stats_kernel instantiation itself, and prints instructions per element:
+
+  a loop = a backward branch and the instructions from its target up to it. The streaming loops
+  are those with 16-byte global loads that hold no other such loop. The kernel streams its chunk
+  in two passes (stats_math.h): pass 1 over every element, which accumulates the sum of squares
+  (an FFMA / DFMA), and pass 2, which counts NaN and Inf in the rare chunks that have them. The
+  steady-state loop is the streaming loop of pass 1 (with an FMA) with the most loads per trip
+  (the unrolled main loop, not the remainder), then the most instructions. Elements per trip =
+  16-byte loads x 16 bytes / element size; instructions per trip = every instruction in the loop
+  body, as issued.
+
+With --resources it also prints, per kernel, registers, spills, kernel-argument bytes, resident
+blocks per SM and the bytes its loads keep in flight per SM (Little's law: an H200 needs about
+4.8 TB/s x ~0.8 us / 132 SMs = 29 KB in flight per SM to reach its bandwidth).
+
+Usage:
+  python scripts/sass_budget.py [BINARY] [--arch sm_90] [--resources]
+BINARY is gradfuse/_C*.so of this checkout by default (or any .so / .cubin / fatbin). Exit status:
+0 within budget, 1 over budget, 2 when the SASS could not be read or a kernel's loop not found.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Instructions per element allowed in the steady-state loop of stats_kernel<dtype, PowMode::kNone>
+# on sm_90 (issue 9). fp64 moves 8 bytes per element and is reported without a budget.
+BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
+BUDGET_ARCH = "sm_90"
+
+# Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode, Table>.
+_DTYPES = {"N3c108BFloat16E": ("bf16", 2), "N3c104HalfE": ("fp16", 2), "f": ("fp32", 4), "d": ("fp64", 8)}
+_STATS_KERNEL = re.compile(r"stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
+_MODES = {"0": "none", "1": "abs", "2": "pow"}
+_TABLE = re.compile(r"LaunchTableILi(\d+)E")
+_KERNEL = re.compile(r"gradfuse4cuda\d+(\w+?_kernel)I")
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
+_LOAD16 = re.compile(r"^(?:@!?U?P\w+\s+)?LDG\.E\.128\b")
+_FMA = re.compile(r"^(?:@!?U?P\w+\s+)?[FD]FMA\b")
+
+# sm_90 (H100 / H200) limits, for blocks per SM.
+SM90 = {"regs": 65536, "threads": 2048, "blocks": 32, "reg_unit": 256}
+STATS_THREADS = 256  # kStatsThreads of stats_kernels.cuh
+
+
+@dataclasses.dataclass
+class Loop:
+    start: int  # index of the first instruction (the branch target)
+    end: int  # index of the backward branch
+    instructions: int
+    loads16: int
+    has_fma: bool
+
+
+@dataclasses.dataclass
+class KernelLoop:
+    kernel: str  # mangled name
+    dtype: str
+    mode: str
+    elem_bytes: int
+    loop: Loop
+
+    @property
+    def elements(self) -> int:
+        return self.loop.loads16 * 16 // self.elem_bytes
+
+    @property
+    def per_element(self) -> float:
+        return self.loop.instructions / self.elements
+
+    @property
+    def table(self) -> str:
+        m = _TABLE.search(self.kernel)
+        return m.group(1) if m else "-"
+
+
+@dataclasses.dataclass
+class Resources:
+    registers: int
+    local_bytes: int  # spills (and local arrays)
+    stack_bytes: int
+    param_bytes: int  # the kernel argument, copied for every launch
+
+
+def find_tool(name: str) -> str:
+    """cuobjdump / nvdisasm: $NAME (upper case), the nvidia-cuda-* pip package, PATH, CUDA_HOME."""
+    if os.environ.get(name.upper()):
+        return os.environ[name.upper()]
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for cand in sorted(glob.glob(os.path.join(base, "cu*", "bin", name))):
+            return cand
+    found = shutil.which(name)
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cand = os.path.join(home, "bin", name)
+    if os.path.exists(cand):
+        return cand
+    raise FileNotFoundError(f"{name} not found: pip install nvidia-cuda-{name} (requirements-dev.txt), "
+                            f"or set {name.upper()}=/path/to/{name}")
+
+
+def default_binary() -> Path:
+    found = sorted(ROOT.glob("gradfuse/_C*.so"))
+    if not found:
+        raise FileNotFoundError(f"no gradfuse/_C*.so in {ROOT}: build it first (scripts/setup.sh)")
+    return found[0]
+
+
+def cuobjdump(binary: os.PathLike, arch: str, what: str) -> str:
+    """`cuobjdump -<what> -arch <arch> binary` ('' when it holds no code for that arch)."""
+    out = subprocess.run([find_tool("cuobjdump"), f"-{what}", "-arch", arch, str(binary)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        if "does not contain" in out.stderr or "no device code" in out.stderr.lower():
+            return ""
+        raise RuntimeError(f"cuobjdump -{what} failed on {binary}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def disassemble(binary: os.PathLike, arch: str = BUDGET_ARCH) -> str:
+    """The SASS text of `binary` for `arch` ('' when it holds none for that arch)."""
+    return cuobjdump(binary, arch, "sass")
+
+
+def split_functions(sass: str) -> dict[str, list[str]]:
+    """{mangled function name: its instructions in address order}."""
+    functions: dict[str, list[str]] = {}
+    current = None
+    for line in sass.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            if int(m.group(1), 16) != 16 * len(current):
+                raise ValueError(f"unexpected instruction address {m.group(1)} in {line!r}")
+            current.append(m.group(2))
+    return functions
+
+
+def loops(instructions: list[str]) -> list[Loop]:
+    """Every loop closed by a backward branch, as the address range [target, branch]."""
+    found = []
+    for i, ins in enumerate(instructions):
+        m = _BRANCH.match(ins)
+        if m:
+            target = int(m.group(1), 16) // 16
+            if target <= i:
+                body = instructions[target:i + 1]
+                found.append(Loop(target, i, len(body), sum(bool(_LOAD16.match(b)) for b in body),
+                                  any(_FMA.match(b) for b in body)))
+    return found
+
+
+def steady_state_loop(instructions: list[str]) -> Loop | None:
+    """The main loop of pass 1, by the rule of the module docstring; None without 16-byte loads."""
+    streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
+    streaming = [lp for lp in streaming
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+    return max(streaming, key=lambda lp: (lp.has_fma, lp.loads16, lp.instructions), default=None)
+
+
+def stats_kernel_loops(sass: str) -> list[KernelLoop]:
+    """The steady-state loop of every stats_kernel instantiation in `sass`; raises when one of them
+    has no loop of 16-byte loads (then the rule above no longer describes the kernel)."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _STATS_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(1)]
+        loop = steady_state_loop(instructions)
+        if loop is None:
+            raise ValueError(f"no loop of 16-byte loads found in {name}")
+        result.append(KernelLoop(name, dtype, _MODES[m.group(2)], elem_bytes, loop))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (order.index(k.dtype), k.mode, int(k.table) if k.table.isdigit() else 0))
+
+
+def resources(binary: os.PathLike, arch: str = BUDGET_ARCH) -> dict[str, Resources]:
+    """{mangled kernel name: Resources} from cuobjdump -res-usage and the ELF's parameter info."""
+    usage = {}
+    name = None
+    for line in cuobjdump(binary, arch, "res-usage").splitlines():
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line)
+        if m and name:
+            usage[name] = (int(m.group(1)), int(m.group(3)), int(m.group(2)))
+    params: dict[str, int] = {}
+    name = None
+    for line in cuobjdump(binary, arch, "elf").splitlines():
+        if line.startswith(".nv.info."):
+            name = line[len(".nv.info."):].strip()
+            continue
+        m = re.search(r"Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)", line)
+        if m and name:
+            params[name] = max(params.get(name, 0), int(m.group(1), 16) + int(m.group(2), 16))
+    return {k: Resources(r, loc, st, params.get(k, 0)) for k, (r, loc, st) in usage.items()}
+
+
+def blocks_per_sm(registers: int, threads: int = STATS_THREADS) -> int:
+    """Resident blocks per sm_90 SM, limited by registers and threads (shared memory is tiny)."""
+    per_warp = -(-registers * 32 // SM90["reg_unit"]) * SM90["reg_unit"]
+    by_regs = SM90["regs"] // (per_warp * (threads // 32))
+    return min(by_regs, SM90["threads"] // threads, SM90["blocks"])
+
+
+def over_budget(kernels: list[KernelLoop]) -> list[KernelLoop]:
+    return [k for k in kernels if k.mode == "none" and k.dtype in BUDGET and k.per_element > BUDGET[k.dtype]]
+
+
+def report(kernels: list[KernelLoop], arch: str) -> str:
+    lines = [f"stats_kernel steady-state loop, {arch}",
+             f"{'dtype':<6}{'pow':<6}{'table':>6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}"
+             f"{'budget':>8}"]
+    for k in kernels:
+        budget = BUDGET.get(k.dtype) if k.mode == "none" and arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  ok" if k.per_element <= budget else "  OVER BUDGET")
+        lines.append(f"{k.dtype:<6}{k.mode:<6}{k.table:>6}{k.loop.instructions:>11}{k.elements:>11}"
+                     f"{k.per_element:>11.2f}{'' if budget is None else f'{budget:g}':>8}{flag}")
+    return "\n".join(lines)
+
+
+def resource_report(res: dict[str, Resources], kernels: list[KernelLoop], arch: str) -> str:
+    loops_by_name = {k.kernel: k for k in kernels}
+    lines = [f"kernel resources, {arch} (in flight: 16-byte loads of one main-loop trip x resident threads)",
+             f"{'kernel':<16}{'dtype/pow':<11}{'table':>6}{'regs':>5}{'spill B':>8}{'stack B':>8}"
+             f"{'arg B':>7}{'blocks/SM':>10}{'KB in flight/SM':>16}"]
+    for name in sorted(res):
+        kind = _KERNEL.search(name)
+        if not kind:
+            continue
+        r, k = res[name], loops_by_name.get(name)
+        table = _TABLE.search(name)
+        label = f"{k.dtype}/{k.mode}" if k else ""
+        blocks = blocks_per_sm(r.registers) if k else None
+        flight = f"{blocks * STATS_THREADS * k.loop.loads16 * 16 / 1024:.0f}" if k else ""
+        lines.append(f"{kind.group(1):<16}{label:<11}{table.group(1) if table else '-':>6}{r.registers:>5}"
+                     f"{r.local_bytes:>8}{r.stack_bytes:>8}{r.param_bytes:>7}"
+                     f"{blocks if blocks else '':>10}{flight:>16}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
+    ap.add_argument("--arch", default=BUDGET_ARCH, help=f"SASS architecture (default {BUDGET_ARCH}; "
+                    "the budget applies to it only)")
+    ap.add_argument("--resources", action="store_true", help="also print registers, spills, "
+                    "argument bytes and bytes in flight per kernel")
+    args = ap.parse_args(argv)
+    try:
+        binary = Path(args.binary) if args.binary else default_binary()
+        kernels = stats_kernel_loops(disassemble(binary, args.arch))
+        res = resources(binary, args.arch) if args.resources else None
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"sass_budget: {e}", file=sys.stderr)
+        return 2
+    if not kernels:
+        print(f"sass_budget: no {args.arch} stats_kernel in {binary}", file=sys.stderr)
+        return 2
+    print(report(kernels, args.arch))
+    if res is not None:
+        print()
+        print(resource_report(res, kernels, args.arch))
+    if args.arch == BUDGET_ARCH and over_budget(kernels):
+        print("over budget: " + ", ".join(sorted({k.dtype for k in over_budget(kernels)})), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

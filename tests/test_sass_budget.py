@@ -1,0 +1,97 @@
+"""The instruction budget of the stats kernel, read from the sm_90 SASS of this build
+(scripts/sass_budget.py), so that a change cannot silently make the kernel compute-bound again.
+Runs wherever the extension was built with CUDA kernels for sm_90 (CI builds them on a machine
+without a GPU); the loop finder itself is checked on hand-written SASS everywhere."""
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gradfuse import _ext
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "scripts" / "sass_budget.py")
+sass_budget = sys.modules["sass_budget"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_budget)
+
+BF16_NONE = "_ZN8gradfuse4cuda12stats_kernelIN3c108BFloat16ELNS_7PowModeE0EEEvNS0_11LaunchTableEfPfPl"
+FP32_ABS = "_ZN8gradfuse4cuda12stats_kernelIfLNS_7PowModeE1EEEvNS0_11LaunchTableEfPfPl"
+
+
+def fake_sass(name, body):
+    """cuobjdump -sass text of one function: each line of `body` one instruction, addresses
+    counted from 0; 'BRA @n' becomes a branch to instruction n."""
+    lines = [f"\t\tFunction : {name}", '\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"']
+    for i, ins in enumerate(textwrap.dedent(body).strip().splitlines()):
+        if "BRA @" in ins:
+            head, target = ins.rsplit("@", 1)
+            ins = f"{head}0x{int(target) * 16:x}"
+        lines.append(f"        /*{i * 16:04x}*/                   {ins.strip()} ;   /* 0x000fe20000000a00 */")
+        lines.append("                                                          /* 0x000fe20000000a00 */")
+    return "\n".join(lines) + "\n"
+
+
+def test_finds_pass_one_main_loop_not_remainder_nor_rare_pass():
+    sass = fake_sass(BF16_NONE, """
+        S2R R0, SR_TID.X
+        LDG.E.128 R4, desc[UR4][R2.64]
+        FFMA R8, R4, R4, R8
+        @P0 BRA @1
+        LDG.E.128 R4, desc[UR4][R2.64]
+        LDG.E.128 R12, desc[UR4][R2.64+0x1000]
+        FADD R9, R4, R9
+        FFMA R8, R4, R4, R8
+        FFMA R8, R12, R12, R8
+        IADD3 R2, R2, 0x2000, RZ
+        @P1 BRA @4
+        LDG.E.128 R4, desc[UR4][R2.64]
+        LDG.E.128 R12, desc[UR4][R2.64+0x1000]
+        FSETP.NAN.AND P2, PT, R4, R4, PT
+        FSETP.NAN.AND P3, PT, R12, R12, PT
+        FADD R20, R20, 1
+        FADD R20, R20, 1
+        FADD R20, R20, 1
+        FADD R20, R20, 1
+        @P1 BRA @11
+        EXIT
+    """)
+    (k,) = sass_budget.stats_kernel_loops(sass)
+    assert (k.dtype, k.mode, k.elem_bytes) == ("bf16", "none", 2)
+    # The FFMA loop with two loads (instructions 4..10), not the remainder (one load) nor pass 2.
+    assert (k.loop.start, k.loop.end, k.loop.instructions, k.loop.loads16) == (4, 10, 7, 2)
+    assert k.elements == 16 and k.per_element == 7 / 16
+
+
+def test_over_budget_is_reported_and_fails_the_script(tmp_path, monkeypatch, capsys):
+    body = "LDG.E.128 R4, desc[UR4][R2.64]\n" + "FFMA R8, R4, R4, R8\n" * 40 + "@P0 BRA @0\nEXIT"
+    sass = fake_sass(FP32_ABS, body) + fake_sass(FP32_ABS.replace("E1EE", "E0EE"), body)
+    kernels = sass_budget.stats_kernel_loops(sass)
+    assert [(k.mode, k.per_element) for k in kernels] == [("abs", 42 / 4), ("none", 42 / 4)]
+    # Budgets hold for PowMode::kNone only: 10.5 > 10 there.
+    assert [k.mode for k in sass_budget.over_budget(kernels)] == ["none"]
+    monkeypatch.setattr(sass_budget, "disassemble", lambda binary, arch: sass)
+    assert sass_budget.main([str(tmp_path / "any.so")]) == 1
+    assert "OVER BUDGET" in capsys.readouterr().out
+
+
+def test_a_stats_kernel_without_streaming_loop_is_an_error():
+    sass = fake_sass(BF16_NONE, "FADD R1, R1, R2\n@P0 BRA @0\nEXIT")
+    with pytest.raises(ValueError, match="no loop of 16-byte loads"):
+        sass_budget.stats_kernel_loops(sass)
+
+
+def test_built_stats_kernels_within_instruction_budget():
+    if not _ext._has_kernel("cuda"):
+        pytest.skip("gradfuse._C built without CUDA kernels")
+    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+        pytest.skip("the budget is defined for sm_90, which this build does not include")
+    sass = sass_budget.disassemble(_ext._C.__file__, "sm_90")
+    kernels = sass_budget.stats_kernel_loops(sass)
+    report = sass_budget.report(kernels, "sm_90")
+    print(report)
+    found = sorted((k.dtype, k.mode, k.table) for k in kernels)
+    assert found == sorted((d, m, t) for d in ("bf16", "fp16", "fp32", "fp64") for m in ("none", "abs", "pow")
+                           for t in ("64", "1280")), "one instantiation per dtype, norm mode and table size"
+    assert not sass_budget.over_budget(kernels), report
