@@ -11,10 +11,11 @@ from gradfuse.grad_stats import GradStats
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
 from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
                             WandbSink)
+from gradfuse.grad_watch import GradWatch, watch
 
 __version__ = "0.1.0"
 
-__all__ = ["GradMonitor", "GradStats", "GradientAnomaly", "JsonlSink", "LoggingSink",
+__all__ = ["GradMonitor", "GradStats", "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink",
            "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink",
            "backend", "build_info", "clip_", "clip_grad_norm_", "stats", "tensor_stats",
-           "unscale_clip_", "__version__"]
+           "unscale_clip_", "watch", "__version__"]

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from gradfuse import amp
-from gradfuse.api import (_check_max_norm, _check_norm_type, _fused_stats, _named_grads,
-                          _scale_to_max_norm)
+from gradfuse.api import _check_max_norm, _check_norm_type
 from gradfuse.grad_stats import GradStats
+from gradfuse.grad_watch import watch
 
 POLICIES = ("raise", "skip", "warn", "ignore")
 
@@ -85,6 +85,7 @@ class GradMonitor:
         self.source = model
         self.max_norm = None if max_norm is None else _check_max_norm(max_norm)
         self.norm_type = _check_norm_type(norm_type)
+        self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
         self.every = every
         self.on_nonfinite = on_nonfinite
         self.explode_threshold = explode_threshold
@@ -133,14 +134,12 @@ class GradMonitor:
             names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
             s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
         else:
-            names, _params, grads = _named_grads(
-                self.source.named_parameters() if isinstance(self.source, nn.Module) else self.source)
-            s = _fused_stats(names, grads, self.norm_type)
+            s = self._watch.stats()
         report = StepReport(step, stats=s)
         log_now = self.every > 0 and step % self.every == 0
 
         code = 0
-        if grads and self._needs_flag():
+        if len(s) and self._needs_flag():
             flag = s.nonfinite.to(torch.int32)
             if self.explode_threshold is not None:
                 flag = flag + 2 * (s.total_norm.double() > self.explode_threshold).to(torch.int32)
@@ -175,7 +174,7 @@ class GradMonitor:
             s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
                                     self.max_norm if clip else None)
         elif clip:
-            s = _scale_to_max_norm(s, grads, self.max_norm)
+            s = self._watch._clip_to(s, self.max_norm)
         if clip:
             report.stats = s
             self._clipped = s.clipped.to(torch.int64) if self._clipped is None else self._clipped + s.clipped
