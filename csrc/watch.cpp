@@ -95,7 +95,7 @@ class ParamWatch : public torch::CustomClassHolder {
     for (const int64_t i : rows) {
       if (i < 0 || i >= n || has_row[i]) return reject();
       has_row[i] = 1;
-      const at::Tensor& g = params_[i].grad();
+      const at::Tensor& g = grad_of(i);
       if (!g.defined() || !is_plain_dense(g) || !is_supported_float(g.scalar_type())) {
         return reject();
       }
@@ -114,7 +114,7 @@ class ParamWatch : public torch::CustomClassHolder {
     }
     for (int64_t i = 0; i < n; ++i) {
       if (has_row[i]) continue;
-      if (params_[i].grad().defined()) return reject();
+      if (grad_of(i).defined()) return reject();
       absent_.push_back(i);
     }
     if (groups_.empty()) return reject();
@@ -154,6 +154,10 @@ class ParamWatch : public torch::CustomClassHolder {
   }
 
  private:
+  // Tensor::grad() also asks autograd whether the tensor is a leaf (to warn about non-leaf
+  // reads), a virtual call per parameter; the value read is the same.
+  const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
+
   bool reject() {
     groups_.clear();
     absent_.clear();
@@ -164,7 +168,7 @@ class ParamWatch : public torch::CustomClassHolder {
   bool read_grads(std::vector<std::vector<at::Tensor>>& out) const {
     if (groups_.empty()) return false;
     for (const int64_t i : absent_) {
-      if (params_[i].grad().defined()) return false;
+      if (grad_of(i).defined()) return false;
     }
     out.resize(groups_.size());
     for (size_t k = 0; k < groups_.size(); ++k) {
@@ -172,7 +176,7 @@ class ParamWatch : public torch::CustomClassHolder {
       auto& grads = out[k];
       grads.reserve(group.params.size());
       for (const int64_t i : group.params) {
-        const at::Tensor& g = params_[i].grad();
+        const at::Tensor& g = grad_of(i);
         if (!g.defined() || g.scalar_type() != group.dtype || g.device() != group.device ||
             !is_plain_dense(g)) {
           return false;

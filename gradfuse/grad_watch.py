@@ -145,7 +145,7 @@ class GradWatch:
             rows = [self._index[name] for name in s.names]
             compiled = [t for t in ("cpu", "cuda") if _ext._has_kernel(t)]
             if self._fast.plan(rows, s.total_norm, compiled):
-                self._row_names = s.names
+                self._row_names = list(s.names)  # s.names is the caller's to change
         return s
 
     @torch.no_grad()

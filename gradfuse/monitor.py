@@ -47,7 +47,8 @@ class GradMonitor:
     """Watches a model's gradients during training at the cost of one fused pass per step.
 
     Args:
-        model: the module (or iterable of ``(name, parameter)`` pairs) to watch.
+        model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
+            :func:`gradfuse.watch` handle (see there for when its parameters are re-resolved).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
         norm_type: order of the total norm.
         every: log the full statistics to the sinks every ``every`` steps (0: never).
