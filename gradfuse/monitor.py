@@ -131,9 +131,13 @@ class GradMonitor:
         if not self.enabled:
             return StepReport(step)
         fused_unscale = self.optimizer is not None and self._amp_active()
+        # With no policy to apply before clipping, statistics and clip are one call.
+        clip_now = not fused_unscale and self.max_norm is not None and not self._needs_flag()
         if fused_unscale:
             names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
             s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
+        elif clip_now:
+            s = self._watch.clip_(self.max_norm)
         else:
             s = self._watch.stats()
         report = StepReport(step, stats=s)
@@ -174,7 +178,7 @@ class GradMonitor:
         if fused_unscale:  # one multiply: unscale, and clip when due
             s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
                                     self.max_norm if clip else None)
-        elif clip:
+        elif clip and not clip_now:
             s = self._watch._clip_to(s, self.max_norm)
         if clip:
             report.stats = s

@@ -255,9 +255,10 @@ def test_module_walk_matches_named_parameters():
 
 
 @needs_ext
-def test_monitor_holds_a_watch_and_matches_functional_clip():
+@pytest.mark.parametrize("policy", ["ignore", "warn"])  # one call; stats, flag, then clip
+def test_monitor_holds_a_watch_and_matches_functional_clip(policy):
     m1, m2 = twins()
-    mon = gradfuse.GradMonitor(m1, max_norm=0.2, every=0, on_nonfinite="ignore")
+    mon = gradfuse.GradMonitor(m1, max_norm=0.2, every=0, on_nonfinite=policy)
     for step in range(3):
         set_grads(m1, step)
         set_grads(m2, step)
