@@ -158,6 +158,49 @@ class ParamWatch : public torch::CustomClassHolder {
   // reads), a virtual call per parameter; the value read is the same.
   const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
 
+  // Reading a gradient and handing it to the kernel follows five pointers per parameter
+  // (parameter, autograd meta, gradient, storage, data), each a cache miss on a model of
+  // thousands of parameters. Prefetching each link a few parameters ahead of the next keeps
+  // several misses in flight instead of waiting for each in turn; a prefetch is only a hint.
+  void prefetch_ahead(const std::vector<int64_t>& idx, size_t j) const {
+    constexpr size_t kAhead = 8;
+    const size_t n = idx.size();
+    if (j + 5 * kAhead < n) __builtin_prefetch(params_[idx[j + 5 * kAhead]].unsafeGetTensorImpl());
+    if (j + 4 * kAhead < n) {
+      if (const auto* meta = params_[idx[j + 4 * kAhead]].unsafeGetTensorImpl()->autograd_meta()) {
+        __builtin_prefetch(meta);
+        __builtin_prefetch(reinterpret_cast<const char*>(meta) + 64);
+      }
+    }
+    if (j + 3 * kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + 3 * kAhead]);
+      if (g.defined()) {
+        const auto* impl = reinterpret_cast<const char*>(g.unsafeGetTensorImpl());
+        for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) {
+          __builtin_prefetch(impl + offset);
+        }
+      }
+    }
+    // Only plain tensors: a subclass's storage offset may be computed in Python.
+    if (j + 2 * kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + 2 * kAhead]);
+      if (g.defined() && is_plain_dense(g) && g.has_storage()) {
+        __builtin_prefetch(g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+      }
+    }
+    if (j + kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + kAhead]);
+      if (g.defined() && is_plain_dense(g) && g.has_storage()) {
+        try {  // a storage whose data was released throws on access; the kernel will say so
+          const auto* data = static_cast<const char*>(
+              g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->data());
+          if (data != nullptr) __builtin_prefetch(data + g.storage_offset() * g.itemsize());
+        } catch (const c10::Error&) {
+        }
+      }
+    }
+  }
+
   bool reject() {
     groups_.clear();
     absent_.clear();
@@ -175,8 +218,10 @@ class ParamWatch : public torch::CustomClassHolder {
       const Group& group = groups_[k];
       auto& grads = out[k];
       grads.reserve(group.params.size());
-      for (const int64_t i : group.params) {
-        const at::Tensor& g = grad_of(i);
+      const auto& idx = group.params;
+      for (size_t j = 0; j < idx.size(); ++j) {
+        prefetch_ahead(idx, j);
+        const at::Tensor& g = grad_of(idx[j]);
         if (!g.defined() || g.scalar_type() != group.dtype || g.device() != group.device ||
             !is_plain_dense(g)) {
           return false;
