@@ -39,3 +39,16 @@ def test_summary_table_and_chart(tmp_path):
                  "gradfuse_watch_clip", "gradfuse_monitor_step"):
         assert f"| {name} |" in md
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_host_cost_script(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import host_cost
+    finally:
+        sys.path.pop(0)
+    assert host_cost.main(["--count", "50", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for call in ("clip_grad_norm_(foreach=True)", "watch(named).clip_()", "GradMonitor.step() (module)",
+                 "gradfuse.clip_(module)"):
+        assert f"| {call} |" in out
