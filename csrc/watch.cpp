@@ -78,8 +78,6 @@ class ParamWatch : public torch::CustomClassHolder {
  public:
   explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {}
 
-  int64_t size() const { return static_cast<int64_t>(params_.size()); }
-
   // Makes the plan from the current gradients: `rows` are the indices of the parameters with a
   // gradient, in the order of the rows of the functional path's result (group by group),
   // `total_like` is that result's total norm (its device and dtype are the result's), and
@@ -123,8 +121,6 @@ class ParamWatch : public torch::CustomClassHolder {
     return true;
   }
 
-  bool has_plan() const { return !groups_.empty(); }
-
   // [floats, counts, total_norm] as gradfuse.stats returns them, or [] when the gradients do not
   // match the plan.
   std::vector<at::Tensor> stats(double norm_type) {
@@ -154,6 +150,8 @@ class ParamWatch : public torch::CustomClassHolder {
   }
 
  private:
+  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
   // Tensor::grad() also asks autograd whether the tensor is a leaf (to warn about non-leaf
   // reads), a virtual call per parameter; the value read is the same.
   const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
@@ -295,9 +293,7 @@ class ParamWatch : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(gradfuse, m) {
   m.class_<ParamWatch>("ParamWatch")
       .def(torch::init<std::vector<at::Tensor>>())
-      .def("size", &ParamWatch::size)
       .def("plan", &ParamWatch::plan)
-      .def("has_plan", &ParamWatch::has_plan)
       .def("stats", &ParamWatch::stats)
       .def("clip", &ParamWatch::clip)
       .def("clip_to", &ParamWatch::clip_to);
