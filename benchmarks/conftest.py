@@ -12,6 +12,7 @@ SIZES = {
         "gpt2_small": lambda: wl.gpt2_small(layers=1, d=64, vocab=500, ctx=32),
         "resnet50": lambda: wl.resnet50()[:20],
         "many_small": lambda: wl.many_small(count=200, lo=16, hi=64),
+        "tiny": lambda: wl.tiny(count=200),
         "few_large": lambda: wl.few_large(count=2, numel=100_000),
     },
     # what runs on a 2-core CPU machine in a few minutes
@@ -20,6 +21,7 @@ SIZES = {
         "llama_1b": wl.llama_1b,
         "resnet50": wl.resnet50,
         "many_small": wl.many_small,
+        "tiny": wl.tiny,
         "few_large": lambda: wl.few_large(count=4, numel=32 * 2**20),
     },
     # the GPU check: adds a set of several GB
@@ -28,6 +30,7 @@ SIZES = {
         "llama_1b": wl.llama_1b,
         "resnet50": wl.resnet50,
         "many_small": wl.many_small,
+        "tiny": wl.tiny,
         "few_large": lambda: wl.few_large(count=8, numel=256 * 2**20),
     },
 }

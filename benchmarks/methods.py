@@ -76,6 +76,22 @@ def gradfuse_clip_grad_norm(named):
     return lambda: gradfuse.clip_grad_norm_(params, HUGE)
 
 
+def gradfuse_watch_stats(named):
+    g = gradfuse.watch(named)  # resolved once; the benchmark's warm-up round makes the plan
+    return lambda: g.stats().total_norm
+
+
+def gradfuse_watch_clip(named):
+    g = gradfuse.watch(named)
+    return lambda: g.clip_(HUGE).total_norm
+
+
+def gradfuse_monitor_step(named):
+    """GradMonitor.step() with max_norm set, no policy and no logging: a training loop's cost."""
+    mon = gradfuse.GradMonitor(named, max_norm=HUGE, every=0, on_nonfinite="ignore")
+    return lambda: mon.step()
+
+
 def memory_read(named):
     """The machine's read bandwidth on as many bytes as the gradients: a float32 sum."""
     src = torch.ones(grad_bytes(named) // 4, dtype=torch.float32, device=named[0][1].grad.device)
@@ -99,6 +115,9 @@ METHODS = {
     "gradfuse_clip_noclip": (gradfuse_clip_noclip, 1, "gradfuse.clip_, no clipping needed: one read"),
     "gradfuse_clip_clipping": (None, 3, "gradfuse.clip_, clipping needed: read + scale read/write"),
     "gradfuse_clip_grad_norm_": (gradfuse_clip_grad_norm, 1, "gradfuse.clip_grad_norm_ (no clipping)"),
+    "gradfuse_watch_stats": (gradfuse_watch_stats, 1, "gradfuse.watch(...).stats(): parameters resolved once"),
+    "gradfuse_watch_clip": (gradfuse_watch_clip, 1, "gradfuse.watch(...).clip_(), no clipping needed"),
+    "gradfuse_monitor_step": (gradfuse_monitor_step, 1, "GradMonitor.step(): max_norm set, no policy, no logging"),
     "memory_read": (memory_read, 1, "float32 sum of N bytes: the read bandwidth"),
     "memory_copy": (memory_copy, 2, "copy of N bytes: the copy bandwidth"),
 }

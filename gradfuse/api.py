@@ -23,25 +23,34 @@ Source = nn.Module | torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str,
 
 
 def _named_grads(source: Source) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-    """(names, parameters, gradients) of the parameters in ``source`` that have a gradient.
-    Called every training step with up to 10 000s of parameters: a few list comprehensions, no
-    per-parameter tuples (allocating them wakes the garbage collector, which then walks every
-    tensor)."""
-    if isinstance(source, torch.Tensor):
-        names, params = ["[0]"], [source]
-    else:
-        items = list(source.named_parameters() if isinstance(source, nn.Module) else source)
-        if all(isinstance(item, torch.Tensor) for item in items):  # clip_grad_norm_'s usual input
-            names, params = [f"[{i}]" for i in range(len(items))], items
-        else:
-            if not all(isinstance(item, tuple) for item in items):
-                items = [_as_named(i, item) for i, item in enumerate(items)]
-            names, params = [n for n, _ in items], [p for _, p in items]
+    """(names, parameters, gradients) of the parameters in ``source`` that have a gradient."""
+    return _with_grads(*_named_params(source))
+
+
+def _with_grads(names: list[str], params: list[torch.Tensor]):
+    """(names, parameters, gradients) of those ``params`` that have a gradient. Called every
+    training step with up to 10 000s of parameters: a few list comprehensions, no per-parameter
+    tuples (allocating them wakes the garbage collector, which then walks every tensor)."""
     grads = [p.grad for p in params]  # .grad is a slow property: read it once
     if any(g is None for g in grads):
         keep = [i for i, g in enumerate(grads) if g is not None]
         names, params, grads = ([x[i] for i in keep] for x in (names, params, grads))
     return names, params, grads  # checked in _fused_stats, without another per-tensor pass
+
+
+def _named_params(source: Source) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, parameters) of every parameter of ``source``, with or without a gradient: the
+    module's names, or ``[i]`` for the i-th item of an iterable that does not name it."""
+    if isinstance(source, torch.Tensor):
+        return ["[0]"], [source]
+    if isinstance(source, nn.Module):
+        return _module_parameters(source)
+    items = list(source)
+    if all(isinstance(item, torch.Tensor) for item in items):  # clip_grad_norm_'s usual input
+        return [f"[{i}]" for i in range(len(items))], items
+    if not all(isinstance(item, tuple) for item in items):
+        items = [_as_named(i, item) for i, item in enumerate(items)]
+    return [n for n, _ in items], [p for _, p in items]
 
 
 def _as_named(i: int, item) -> tuple[str, torch.Tensor]:
@@ -51,6 +60,29 @@ def _as_named(i: int, item) -> tuple[str, torch.Tensor]:
         return (f"[{i}]", item)
     raise TypeError(f"gradfuse: expected parameters or (name, parameter) pairs, "
                     f"item {i} is {type(item).__name__}")
+
+
+def _module_parameters(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """``module.named_parameters()`` as two lists, walked at half its cost: that generator
+    hashes every parameter with the Python-level ``Tensor.__hash__`` and yields one tuple per
+    parameter. Same modules (from ``named_modules()``), order, names and de-duplication; a
+    module class that overrides ``named_parameters`` gets its own, and so does torch.compile
+    (which traces named_parameters as it is)."""
+    if (type(module).named_parameters is not nn.Module.named_parameters
+            or type(module)._named_members is not nn.Module._named_members
+            or torch.compiler.is_compiling()):
+        named = list(module.named_parameters())
+        return [n for n, _ in named], [p for _, p in named]
+    names, params, seen = [], [], set()
+    for prefix, mod in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for key, p in mod._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(dot + key)
+            params.append(p)
+    return names, params
 
 
 class GradientTypeError(TypeError, RuntimeError):

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from gradfuse import amp
-from gradfuse.api import (_check_max_norm, _check_norm_type, _fused_stats, _named_grads,
-                          _scale_to_max_norm)
+from gradfuse.api import _check_max_norm, _check_norm_type
 from gradfuse.grad_stats import GradStats
+from gradfuse.grad_watch import watch
 
 POLICIES = ("raise", "skip", "warn", "ignore")
 # A failing sink sits out 1, 2, 4, ... records after each consecutive failure, at most this many.
@@ -92,7 +92,8 @@ class GradMonitor:
     """Watches a model's gradients during training at the cost of one fused pass per step.
 
     Args:
-        model: the module (or iterable of ``(name, parameter)`` pairs) to watch.
+        model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
+            :func:`gradfuse.watch` handle (see there for when its parameters are re-resolved).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
         norm_type: order of the total norm.
         every: log the full statistics to the sinks every ``every`` steps (0: never).
@@ -140,6 +141,7 @@ class GradMonitor:
         self.source = model
         self.max_norm = None if max_norm is None else _check_max_norm(max_norm)
         self.norm_type = _check_norm_type(norm_type)
+        self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
         self.every = every
         self.on_nonfinite = on_nonfinite
         self.explode_threshold = explode_threshold
@@ -219,18 +221,20 @@ class GradMonitor:
             self._started = True
             self._check_sinks_continue(step)
         fused_unscale = self._unscale_here()
+        # With no policy to apply before clipping, statistics and clip are one call.
+        clip_now = not fused_unscale and self.max_norm is not None and not self._needs_flag()
         if fused_unscale:
             names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
             s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
+        elif clip_now:
+            s = self._watch.clip_(self.max_norm)
         else:
-            names, _params, grads = _named_grads(
-                self.source.named_parameters() if isinstance(self.source, nn.Module) else self.source)
-            s = _fused_stats(names, grads, self.norm_type)
+            s = self._watch.stats()
         report = StepReport(step, stats=s)
         log_now = (self.every > 0 and step % self.every == 0) if log is None else log
 
         code = 0
-        if grads and self._needs_flag():
+        if len(s) and self._needs_flag():
             flag = s.nonfinite.to(torch.int32)
             if self.explode_threshold is not None:
                 flag = flag + 2 * (s._total.double() > self.explode_threshold).to(torch.int32)
@@ -267,8 +271,8 @@ class GradMonitor:
         if fused_unscale:  # one multiply: unscale, and clip when due
             s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
                                     self.max_norm if clip else None)
-        elif clip:
-            s = _scale_to_max_norm(s, grads, self.max_norm)
+        elif clip and not clip_now:
+            s = self._watch._clip_to(s, self.max_norm)
         if clip:
             report.stats = s
             self._clipped = s.clipped.to(torch.int64) if self._clipped is None else self._clipped + s.clipped

@@ -68,13 +68,19 @@ def many_small(count: int = 10_000, lo: int = 1024, hi: int = 4096, seed: int = 
     return [(f"p.{i}", (n,)) for i, n in enumerate(sizes)]
 
 
+def tiny(count: int = 10_000, lo: int = 4, hi: int = 16, seed: int = 0) -> Shapes:
+    """``count`` gradients of ``lo``..``hi`` elements: the data is negligible, what a step costs
+    is per-parameter host work."""
+    return many_small(count, lo, hi, seed)
+
+
 def few_large(count: int = 4, numel: int = 32 * 2**20) -> Shapes:
     """A handful of tensors of tens of millions of elements: bandwidth dominates."""
     return [(f"big.{i}", (numel,)) for i in range(count)]
 
 
 WORKLOADS = {"gpt2_small": gpt2_small, "llama_1b": llama_1b, "resnet50": resnet50,
-             "many_small": many_small, "few_large": few_large}
+             "many_small": many_small, "tiny": tiny, "few_large": few_large}
 
 
 def numel(shapes: Shapes) -> int:

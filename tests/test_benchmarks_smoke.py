@@ -22,7 +22,7 @@ def test_every_benchmark_runs_untimed():
 
 def test_summary_table_and_chart(tmp_path):
     js = tmp_path / "bench.json"
-    run_bench("--benchmark-only", f"--benchmark-json={js}", "--bench-workloads", "many_small",
+    run_bench("--benchmark-only", f"--benchmark-json={js}", "--bench-workloads", "many_small,tiny",
               "--bench-dtypes", "float32", "--benchmark-warmup=off")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
@@ -33,8 +33,22 @@ def test_summary_table_and_chart(tmp_path):
     md_path = tmp_path / "table.md"
     assert summarize.main([str(js), "-o", str(md_path), "--png", str(png)]) == 0
     md = md_path.read_text()
-    assert "**many_small, float32** (200 tensors" in md
+    assert "**many_small, float32** (200 tensors" in md and "**tiny, float32** (200 tensors" in md
     for name in ("gradfuse_stats", "gradfuse_clip_clipping", "torch_clip_foreach", "hook_loop",
-                 "torch_foreach_stats", "memory_read", "memory_copy"):
+                 "torch_foreach_stats", "memory_read", "memory_copy", "gradfuse_watch_stats",
+                 "gradfuse_watch_clip", "gradfuse_monitor_step"):
         assert f"| {name} |" in md
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_host_cost_script(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import host_cost
+    finally:
+        sys.path.pop(0)
+    assert host_cost.main(["--count", "50", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for call in ("clip_grad_norm_(foreach=True)", "watch(named).clip_()", "GradMonitor.step() (module)",
+                 "gradfuse.clip_(module)"):
+        assert f"| {call} |" in out

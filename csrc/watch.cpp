@@ -1,0 +1,302 @@
+// gradfuse::ParamWatch: the per-step host work of gradfuse.watch() in C++.
+//
+// A watched model's parameters are resolved once (in Python); every step this class reads each
+// parameter's .grad() (a pointer load, where Python pays an attribute lookup), checks it against
+// the plan made on an earlier step (which parameters have a gradient, each group's device and
+// dtype, the row order of the result), and calls the registered ops through typed dispatcher
+// handles below the autograd keys: the custom ops have no autograd kernel, so a plain call would
+// take the boxed autograd fallback and box every tensor of the list. The total norm and the clip
+// coefficient are computed here with the same ATen ops as gradfuse/api.py, so results are
+// bitwise those of gradfuse.stats / gradfuse.clip_. Nothing here waits for the device.
+//
+// Any difference from the plan (a gradient that became None or appeared, changed dtype or device,
+// is a tensor subclass or not dense) makes a call return "no match" without touching anything;
+// Python then takes the functional path for that step and makes a new plan.
+#include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/op_checks.h"
+#include "common/stats_math.h"
+
+namespace gradfuse::watch {
+namespace {
+
+using StatsFn = std::tuple<at::Tensor, at::Tensor>(at::TensorList, double);
+using ScaleFn = void(at::TensorList, const at::Tensor&, bool);
+
+// Looked up on first use: the schemas are registered by gradfuse.cpp's static initialiser,
+// whose order relative to this file's is unspecified.
+const c10::TypedOperatorHandle<StatsFn>& stats_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gradfuse::multi_tensor_stats", "")
+                             .typed<StatsFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<ScaleFn>& scale_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gradfuse::multi_tensor_scale_", "")
+                             .typed<ScaleFn>();
+  return op;
+}
+
+// Functionality that changes what a tensor's elements are (subclasses such as DTensor, lazy
+// negation/conjugation, functionalisation, sparse, nested, quantised): the functional path
+// handles those gradients.
+constexpr c10::DispatchKeySet kNotPlain({
+    c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::Functionalize,
+    c10::DispatchKey::ZeroTensor, c10::DispatchKey::Negative, c10::DispatchKey::Conjugate,
+    c10::DispatchKey::Sparse, c10::DispatchKey::SparseCsr, c10::DispatchKey::NestedTensor,
+    c10::DispatchKey::Quantized, c10::DispatchKey::FuncTorchBatched,
+    c10::DispatchKey::FuncTorchGradWrapper,
+});
+
+bool is_plain_dense(const at::Tensor& t) {
+  return !t.key_set().has_any(kNotPlain) && t.layout() == at::kStrided;
+}
+
+struct Group {
+  c10::Device device;
+  at::ScalarType dtype;
+  std::vector<int64_t> params;  // indices into ParamWatch::params_, in row order
+};
+
+}  // namespace
+
+class ParamWatch : public torch::CustomClassHolder {
+ public:
+  explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+
+  // Makes the plan from the current gradients: `rows` are the indices of the parameters with a
+  // gradient, in the order of the rows of the functional path's result (group by group),
+  // `total_like` is that result's total norm (its device and dtype are the result's), and
+  // `device_types` those the compiled kernels serve ("cpu", "cuda"; elsewhere the functional
+  // path runs the reference). Returns false, keeping no plan, when the fast path cannot serve
+  // these gradients.
+  bool plan(const std::vector<int64_t>& rows, const at::Tensor& total_like,
+            const std::vector<std::string>& device_types) {
+    groups_.clear();
+    absent_.clear();
+    const auto n = size();
+    std::vector<char> has_row(n, 0);
+    for (const int64_t i : rows) {
+      if (i < 0 || i >= n || has_row[i]) return reject();
+      has_row[i] = 1;
+      const at::Tensor& g = grad_of(i);
+      if (!g.defined() || !is_plain_dense(g) || !is_supported_float(g.scalar_type())) {
+        return reject();
+      }
+      if (groups_.empty() || groups_.back().device != g.device() ||
+          groups_.back().dtype != g.scalar_type()) {
+        const auto type = c10::DeviceTypeName(g.device().type(), /*lower_case=*/true);
+        if (std::find(device_types.begin(), device_types.end(), type) == device_types.end()) {
+          return reject();
+        }
+        for (const auto& earlier : groups_) {  // a (device, dtype) split over two runs: not ours
+          if (earlier.device == g.device() && earlier.dtype == g.scalar_type()) return reject();
+        }
+        groups_.push_back({g.device(), g.scalar_type(), {}});
+      }
+      groups_.back().params.push_back(i);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (has_row[i]) continue;
+      if (grad_of(i).defined()) return reject();
+      absent_.push_back(i);
+    }
+    if (groups_.empty()) return reject();
+    result_device_ = total_like.device();
+    result_dtype_ = total_like.scalar_type();
+    return true;
+  }
+
+  // [floats, counts, total_norm] as gradfuse.stats returns them, or [] when the gradients do not
+  // match the plan.
+  std::vector<at::Tensor> stats(double norm_type) {
+    std::vector<std::vector<at::Tensor>> grads;
+    if (!read_grads(grads)) return {};
+    auto [floats, counts] = group_stats(grads, norm_type);
+    return {floats, counts, total_norm(floats, counts, norm_type)};
+  }
+
+  // stats, then scales the gradients in place so their total norm is at most max_norm:
+  // [floats, counts, total_norm, clip_coef], or [] (nothing touched) on a mismatch.
+  std::vector<at::Tensor> clip(double norm_type, double max_norm) {
+    std::vector<std::vector<at::Tensor>> grads;
+    if (!read_grads(grads)) return {};
+    auto [floats, counts] = group_stats(grads, norm_type);
+    auto total = total_norm(floats, counts, norm_type);
+    auto coef = scale(grads, total, max_norm);
+    return {floats, counts, total, coef};
+  }
+
+  // Scales this step's gradients by the coefficient for `total` (a total norm from stats()):
+  // [clip_coef], or [] (nothing touched) on a mismatch.
+  std::vector<at::Tensor> clip_to(const at::Tensor& total, double max_norm) {
+    std::vector<std::vector<at::Tensor>> grads;
+    if (!read_grads(grads)) return {};
+    return {scale(grads, total, max_norm)};
+  }
+
+ private:
+  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
+  // Tensor::grad() also asks autograd whether the tensor is a leaf (to warn about non-leaf
+  // reads), a virtual call per parameter; the value read is the same.
+  const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
+
+  // Reading a gradient and handing it to the kernel follows five pointers per parameter
+  // (parameter, autograd meta, gradient, storage, data), each a cache miss on a model of
+  // thousands of parameters. Prefetching each link a few parameters ahead of the next keeps
+  // several misses in flight instead of waiting for each in turn; a prefetch is only a hint.
+  void prefetch_ahead(const std::vector<int64_t>& idx, size_t j) const {
+    constexpr size_t kAhead = 8;
+    const size_t n = idx.size();
+    if (j + 5 * kAhead < n) __builtin_prefetch(params_[idx[j + 5 * kAhead]].unsafeGetTensorImpl());
+    if (j + 4 * kAhead < n) {
+      if (const auto* meta = params_[idx[j + 4 * kAhead]].unsafeGetTensorImpl()->autograd_meta()) {
+        __builtin_prefetch(meta);
+        __builtin_prefetch(reinterpret_cast<const char*>(meta) + 64);
+      }
+    }
+    if (j + 3 * kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + 3 * kAhead]);
+      if (g.defined()) {
+        const auto* impl = reinterpret_cast<const char*>(g.unsafeGetTensorImpl());
+        for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) {
+          __builtin_prefetch(impl + offset);
+        }
+      }
+    }
+    // Only plain tensors: a subclass's storage offset may be computed in Python.
+    if (j + 2 * kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + 2 * kAhead]);
+      if (g.defined() && is_plain_dense(g) && g.has_storage()) {
+        __builtin_prefetch(g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+      }
+    }
+    if (j + kAhead < n) {
+      const at::Tensor& g = grad_of(idx[j + kAhead]);
+      if (g.defined() && is_plain_dense(g) && g.has_storage()) {
+        try {  // a storage whose data was released throws on access; the kernel will say so
+          const auto* data = static_cast<const char*>(
+              g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->data());
+          if (data != nullptr) __builtin_prefetch(data + g.storage_offset() * g.itemsize());
+        } catch (const c10::Error&) {
+        }
+      }
+    }
+  }
+
+  bool reject() {
+    groups_.clear();
+    absent_.clear();
+    return false;
+  }
+
+  // The gradients of every group, when they match the plan.
+  bool read_grads(std::vector<std::vector<at::Tensor>>& out) const {
+    if (groups_.empty()) return false;
+    for (const int64_t i : absent_) {
+      if (grad_of(i).defined()) return false;
+    }
+    out.resize(groups_.size());
+    for (size_t k = 0; k < groups_.size(); ++k) {
+      const Group& group = groups_[k];
+      auto& grads = out[k];
+      grads.reserve(group.params.size());
+      const auto& idx = group.params;
+      for (size_t j = 0; j < idx.size(); ++j) {
+        prefetch_ahead(idx, j);
+        const at::Tensor& g = grad_of(idx[j]);
+        if (!g.defined() || g.scalar_type() != group.dtype || g.device() != group.device ||
+            !is_plain_dense(g)) {
+          return false;
+        }
+        grads.push_back(g);
+      }
+    }
+    return true;
+  }
+
+  // Per-parameter rows, group after group, on the result's device (as api._fused_stats).
+  std::tuple<at::Tensor, at::Tensor> group_stats(
+      const std::vector<std::vector<at::Tensor>>& grads, double norm_type) const {
+    // The ops have no autograd kernel: skip the autograd fallback, which would box the list.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (grads.size() == 1) {
+      auto [f, c] = stats_op().call(grads[0], norm_type);
+      return {f.to(result_device_), c.to(result_device_)};
+    }
+    std::vector<at::Tensor> floats, counts;
+    for (const auto& g : grads) {
+      auto [f, c] = stats_op().call(g, norm_type);
+      floats.push_back(f.to(result_device_));
+      counts.push_back(c.to(result_device_));
+    }
+    return {at::cat(floats), at::cat(counts)};
+  }
+
+  // api._norm_accumulator and api._root, op for op, then the dtype clip_grad_norm_ returns.
+  at::Tensor total_norm(const at::Tensor& floats, const at::Tensor& counts, double p) const {
+    at::Tensor acc;
+    if (p == 2.0) {
+      acc = floats.select(1, kSumSq).sum();
+    } else if (std::isinf(p)) {
+      acc = floats.size(0) ? floats.select(1, kMaxAbs).amax() : floats.new_zeros({});
+    } else if (p == 0.0) {
+      acc = (counts.select(1, kNumel) - counts.select(1, kZeroCount)).sum().to(at::kDouble);
+    } else {
+      acc = floats.select(1, kPowSum).sum();
+    }
+    at::Tensor total;
+    if (p == 2.0) {
+      total = acc.sqrt();
+    } else if (std::isinf(p) || p == 0.0 || p == 1.0) {
+      total = acc;
+    } else {
+      total = acc.pow(1.0 / p);
+    }
+    return total.to(result_dtype_);
+  }
+
+  // api._scale_to_max_norm: torch.clamp(max_norm / (total + 1e-6), max=1.0), where Python's
+  // `float / tensor` is `tensor.reciprocal() * float`; the scale runs only where it is < 1.
+  at::Tensor scale(const std::vector<std::vector<at::Tensor>>& grads, const at::Tensor& total,
+                   double max_norm) const {
+    auto coef = at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (const auto& g : grads) {
+      scale_op().call(g, coef.to(g[0].device()), /*conditional=*/true);
+    }
+    return coef;
+  }
+
+  std::vector<at::Tensor> params_;
+  std::vector<Group> groups_;
+  std::vector<int64_t> absent_;  // parameters without a gradient when the plan was made
+  c10::Device result_device_{c10::DeviceType::CPU};
+  at::ScalarType result_dtype_{at::kFloat};
+};
+
+TORCH_LIBRARY_FRAGMENT(gradfuse, m) {
+  m.class_<ParamWatch>("ParamWatch")
+      .def(torch::init<std::vector<at::Tensor>>())
+      .def("plan", &ParamWatch::plan)
+      .def("stats", &ParamWatch::stats)
+      .def("clip", &ParamWatch::clip)
+      .def("clip_to", &ParamWatch::clip_to);
+}
+
+}  // namespace gradfuse::watch
