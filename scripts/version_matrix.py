@@ -155,7 +155,9 @@ def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) 
 
     src = base / "src" / name
     copy_tracked_tree(src)
-    env = dict(os.environ, GRADFUSE_CUDA="1" if with_cuda else "0", MAX_JOBS=os.environ.get("MAX_JOBS", "1"))
+    # The same build command as benchmarks/gpu_check.sh (which adds ptxas' register report).
+    env = dict(os.environ, GRADFUSE_CUDA="1" if with_cuda else "0", GRADFUSE_PTXAS_VERBOSE="1",
+               MAX_JOBS=os.environ.get("MAX_JOBS", "1"))
     log(f"{name}: building ({result['kernels']})")
     rc, secs = run_logged([vpy, "setup.py", "build_ext", "--inplace"], logs / "build.log", env=env, cwd=src)
     result["build_s"] = round(secs)
