@@ -129,15 +129,16 @@ def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) 
         if venv.exists():
             shutil.rmtree(venv)
         subprocess.run([exe, "-m", "venv", venv], check=True)
-        constraint = logs / "constraint.txt"
-        constraint.write_text(f"torch=={torch_version}\n")
-        rc, secs = run_logged([vpy, "-m", "pip", "install", "--disable-pip-version-check", "-c", constraint,
-                               f"torch=={torch_version}", *TEST_REQUIREMENTS], logs / "install.log")
-        result["install_s"] = round(secs)
-        if rc != 0:
-            log(f"{name}: install failed, see {logs / 'install.log'}")
-            result["status"] = "install failed"
-            return result
+    # Every run (a no-op when nothing changed): requirements-dev.txt may have moved on.
+    constraint = logs / "constraint.txt"
+    constraint.write_text(f"torch=={torch_version}\n")
+    rc, secs = run_logged([vpy, "-m", "pip", "install", "--disable-pip-version-check", "-c", constraint,
+                           f"torch=={torch_version}", *TEST_REQUIREMENTS], logs / "install.log")
+    result["install_s"] = round(secs)
+    if rc != 0:
+        log(f"{name}: install failed, see {logs / 'install.log'}")
+        result["status"] = "install failed"
+        return result
     if install_only:
         log(f"{name}: venv ready")
         return None

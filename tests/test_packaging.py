@@ -110,6 +110,23 @@ def test_build_without_torch_stops_with_the_commands_to_run(clone, tmp_path):
     assert not list(tmp_path.glob("*.whl"))
 
 
+def test_import_refuses_a_build_for_another_torch(tmp_path):
+    # An installed copy whose .so no longer loads (as a build for another torch fails, on an
+    # undefined symbol) and whose build record names another torch.
+    package = tmp_path / "gradfuse"
+    package.mkdir()
+    for source in (ROOT / "gradfuse").glob("*.py"):
+        if source.name != "_build_record.py":
+            (package / source.name).write_text(source.read_text())
+    (package / "_build_record.py").write_text("TORCH_VERSION = '2.4.1+cu121'\nCUDA_VERSION = '12.1'\n")
+    for cmd in (["-c", "import gradfuse"], ["-m", "gradfuse", "info"]):
+        proc = run([sys.executable, *cmd], cwd=tmp_path, check=False)
+        assert proc.returncode != 0
+        assert (f"gradfuse._C was built for torch 2.4.1+cu121 (CUDA 12.1 kernels) but torch {torch.__version__}"
+                in proc.stderr), proc.stderr[-2000:]
+        assert "pip install --no-build-isolation --no-deps --force-reinstall" in proc.stderr
+
+
 @pytest.mark.parametrize("arch, capability, runs", [
     ("9.0", (9, 0), True), ("8.0", (8, 6), True), ("8.6", (8, 0), False), ("8.0", (9, 0), False),
     ("12.0+PTX", (12, 1), True), ("9.0+PTX", (10, 0), True), ("10.0+PTX", (9, 0), False), ("9.0a", (9, 0), True),
