@@ -110,12 +110,26 @@ def test_counts(junit: Path) -> dict:
     return counts
 
 
+def git_commit() -> str:
+    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "?"
+
+
+def machine() -> str:
+    gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip() \
+        if shutil.which("nvidia-smi") else ""
+    return (f"{platform.machine()}, {os.cpu_count()} cores, nvcc {nvcc_major()}.x, "
+            f"{gpu.splitlines()[0] if gpu else 'no GPU'}")
+
+
 def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) -> dict | None:
     py_version, torch_version = cell.split(":")
     name = f"py{py_version}-torch{torch_version}"
+    started = time.monotonic()
     logs = base / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
-    result = {"cell": cell, "python": py_version, "torch": torch_version, "name": name}
+    result = {"cell": cell, "python": py_version, "torch": torch_version, "name": name,
+              "date": datetime.date.today().isoformat(), "commit": git_commit()}
     exe = find_python(py_version)
     if exe is None:
         log(f"{name}: no Python {py_version} here, skipped")
@@ -173,6 +187,7 @@ def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) 
     rc, secs = run_logged([vpy, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                            f"--junitxml={junit}", *pytest_args], logs / "test.log", env=env, cwd=src)
     result.update(test_s=round(secs), pytest_rc=rc, **test_counts(junit))
+    result["cell_min"] = round((time.monotonic() - started) / 60, 1)
     result["status"] = "ok" if rc == 0 else ("tests failed" if result["failed"] else f"pytest exit {rc}")
     log(f"{name}: {result['status']}: {result['passed']} passed, {result['failed']} failed, "
         f"{result['skipped']} skipped in {result['test_s']} s")
@@ -185,32 +200,36 @@ def write_table(base: Path, pytest_args: list[str]) -> None:
         results.append(json.loads(path.read_text()))
     order = {cell: i for i, cell in enumerate(CELLS)}
     results.sort(key=lambda r: (order.get(r["cell"], len(order)), r["cell"]))
-    rows = ["| Python | torch | torch's CUDA | kernels built | build | tests (passed / failed / skipped) | test time |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| Python | torch | torch's CUDA | kernels built | build | tests (passed / failed / skipped) | test time | measured |",
+            "|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in results:
         tests = (f"{r['passed']} / {r['failed']} / {r['skipped']}" if "passed" in r else "not run")
         status = "" if r.get("status") == "ok" else f" **{r.get('status')}**"
         rows.append(f"| {r.get('python_full', r['python'])} | {r.get('torch_full', r['torch'])} | "
                     f"{r.get('torch_cuda') or 'none'} | {r.get('kernels', '?')} | "
-                    f"{r.get('build_s', '-')} s | {tests}{status} | {r.get('test_s', '-')} s |")
+                    f"{r.get('build_s', '-')} s | {tests}{status} | {r.get('test_s', '-')} s | "
+                    f"{r.get('date', '?')}, {r.get('commit', '?')} |")
         if r.get("why_no_cuda"):
             notes.append(f"- {r['name']}: CUDA kernels not built: {r['why_no_cuda']}.")
         for failure in r.get("failures", []):
             notes.append(f"- {r['name']}: failed `{failure}`")
-    meta = json.loads((base / "results" / "_run.json").read_text()) if (base / "results" / "_run.json").exists() else {}
+    here = machine()
+    no_gpu = ("There is no GPU on this machine: CUDA kernels are compiled (for the default "
+              "architectures), not run, and the CUDA tests skip. ") if here.endswith("no GPU") else ""
     text = f"""# Supported versions, measured
 
-Written by `python3 scripts/version_matrix.py` (run {meta.get('date', '?')}, from commit
-{meta.get('commit', '?')}, on {meta.get('machine', '?')}; the whole matrix took
-{meta.get('minutes', '?')} min with MAX_JOBS=1 on a shared machine, downloads included).
+Written by `python3 scripts/version_matrix.py` on {here}. Each cell took
+{' + '.join(str(r.get('cell_min', '?')) for r in results)} min (build and tests, with MAX_JOBS=1
+under `nice` on a machine shared with other work; the first run also downloads 3-6 GB of torch
+and CUDA wheels per venv).
 
 Each row: a fresh venv with that torch from the package index (the default Linux wheel, a CUDA
 build), gradfuse._C built from this checkout with `setup.py build_ext --inplace`, and
 `pytest tests {' '.join(pytest_args)}` with `GRADFUSE_REQUIRE_EXT=1` (a build that does not load
-fails the row instead of falling back to the pure-PyTorch reference). There is no GPU on the
-machine that ran it: CUDA kernels are compiled (for the default architectures), not run, and the
-CUDA tests skip. The CPU kernels are built and tested in every row.
+fails the row instead of falling back to the pure-PyTorch reference). {no_gpu}The CPU kernels
+are built and tested in every row; the CUDA kernels are built where torch's CUDA major version is
+the local nvcc's (setup.py refuses a mismatch).
 
 {chr(10).join(rows)}
 
@@ -232,22 +251,12 @@ def main() -> int:
     pytest_args = args.pytest_args.split()
     (args.dir / "results").mkdir(parents=True, exist_ok=True)
     if not args.table_only:
-        t0 = time.monotonic()
         for cell in args.cells or CELLS:
             result = run_cell(cell, args.dir, pytest_args, args.install_only)
             if result is not None:
                 (args.dir / "results" / f"{result['name']}.json").write_text(json.dumps(result, indent=1))
         if args.install_only:
             return 0
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        run_meta = args.dir / "results" / "_run.json"
-        previous = json.loads(run_meta.read_text()) if run_meta.exists() and args.cells else {}
-        run_meta.write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "commit": commit,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, gcc + nvcc {nvcc_major()}.x, no GPU",
-            "minutes": round((time.monotonic() - t0) / 60 + previous.get("minutes", 0)),
-        }))
     write_table(args.dir, pytest_args)
     failed = [json.loads(p.read_text()) for p in (args.dir / "results").glob("py*.json")]
     return 0 if all(r.get("status") == "ok" for r in failed) else 1

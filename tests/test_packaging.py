@@ -12,8 +12,8 @@ a fresh venv, then a stats/clip check against torch.nn.utils from outside the so
 pip's default isolated build, which must stop with the message. The fresh venvs are made
 `--without-pip` and see this interpreter's site-packages (torch, pip, setuptools, ninja) through a
 .pth file, so nothing is downloaded; gradfuse itself lands in the venv's own site-packages. The
-wheel and `pip install .` share the clone's build/ folder, as a user's second install would:
-one compile for those two, one for the sdist.
+wheel and `pip install .` are made by one venv in one clone, one after the other as a user would,
+so the second reuses the first's objects: one compile for those two, one for the sdist.
 """
 from __future__ import annotations
 
@@ -232,9 +232,8 @@ def fresh_venv(path: Path) -> Path:
     return python
 
 
-def check_installed(python: Path, tmp_path: Path) -> None:
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
+def check_installed(python: Path, outside: Path) -> None:
+    outside.mkdir(parents=True)
     assert "smoke ok: cpu-" in run([python, "-I", "-c", SMOKE], cwd=outside).stdout
     info = run([python, "-I", "-m", "gradfuse", "info"], cwd=outside).stdout
     assert "OK: the build serves every device here." in info and torch.__version__ in info
@@ -247,31 +246,31 @@ BUILD_ENV = {"GRADFUSE_CUDA": "0", "MAX_JOBS": os.environ.get("MAX_JOBS", "2")} 
 def test_sdist_installs_and_works(sdist, tmp_path):
     python = fresh_venv(tmp_path / "venv")
     run([python, "-m", "pip", "install", "--no-build-isolation", sdist], cwd=tmp_path, env=BUILD_ENV)
-    check_installed(python, tmp_path)
+    check_installed(python, tmp_path / "elsewhere")
 
 
 @compiling
-def test_wheel_of_a_clone_installs_and_works(clone, tmp_path):
-    python = fresh_venv(tmp_path / "venv")
-    run([python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "wheels", "."],
+def test_wheel_and_pip_install_of_a_clone_work(clone, tmp_path):
+    # Both from the same clone and the same venv, as a user would run them one after the other:
+    # the second finds the first's objects in build/ (same compiler commands) and compiles nothing.
+    builder = fresh_venv(tmp_path / "builder")
+    run([builder, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "wheels", "."],
         cwd=clone, env=BUILD_ENV)
     (wheel,) = (tmp_path / "wheels").glob("gradfuse-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     assert any(n.startswith("gradfuse/_C.") and n.endswith(".so") for n in names)
     assert {n for n in names if n.startswith("gradfuse/") and n.endswith(".py")} == \
-        {f for f in checkout_files() if f.startswith("gradfuse/") and f.endswith(".py")}
+        {f for f in checkout_files() if f.startswith("gradfuse/") and f.endswith(".py")} | {"gradfuse/_build_record.py"}
     assert not [n for n in names if n.startswith(("csrc/", "tests/", "build/"))]
-    run([python, "-m", "pip", "install", wheel], cwd=tmp_path)
-    check_installed(python, tmp_path)
 
+    run([builder, "-m", "pip", "install", "--no-build-isolation", "."], cwd=clone, env=BUILD_ENV)
+    assert not list((tmp_path / "builder" / "lib").rglob("__editable__*"))  # a real install, not a link
+    check_installed(builder, tmp_path / "from-clone")
 
-@compiling
-def test_pip_install_of_a_clone_works(clone, tmp_path):
     python = fresh_venv(tmp_path / "venv")
-    run([python, "-m", "pip", "install", "--no-build-isolation", "."], cwd=clone, env=BUILD_ENV)
-    check_installed(python, tmp_path)
-    assert not list((tmp_path / "venv" / "lib").rglob("__editable__*"))  # a real install, not a link
+    run([python, "-m", "pip", "install", wheel], cwd=tmp_path)
+    check_installed(python, tmp_path / "from-wheel")
 
 
 @compiling
