@@ -118,11 +118,11 @@ def test_import_refuses_a_build_for_another_torch(tmp_path):
     for source in (ROOT / "gradfuse").glob("*.py"):
         if source.name != "_build_record.py":
             (package / source.name).write_text(source.read_text())
-    (package / "_build_record.py").write_text("TORCH_VERSION = '2.4.1+cu121'\nCUDA_VERSION = '12.1'\n")
+    (package / "_build_record.py").write_text("TORCH_VERSION = '1.0.0+cu100'\nCUDA_VERSION = '10.0'\n")
     for cmd in (["-c", "import gradfuse"], ["-m", "gradfuse", "info"]):
         proc = run([sys.executable, *cmd], cwd=tmp_path, check=False)
         assert proc.returncode != 0
-        assert (f"gradfuse._C was built for torch 2.4.1+cu121 (CUDA 12.1 kernels) but torch {torch.__version__}"
+        assert (f"gradfuse._C was built for torch 1.0.0+cu100 (CUDA 10.0 kernels) but torch {torch.__version__}"
                 in proc.stderr), proc.stderr[-2000:]
         assert "pip install --no-build-isolation --no-deps --force-reinstall" in proc.stderr
 
