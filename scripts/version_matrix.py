@@ -82,16 +82,23 @@ def run_logged(cmd, log_path: Path, env=None, cwd=None) -> tuple[int, float]:
 
 
 def copy_tracked_tree(dest: Path) -> None:
-    """The checkout's tracked and new (not ignored) files, as a fresh clone would have them."""
-    if dest.exists():
-        shutil.rmtree(dest)
+    """The checkout's tracked and new (not ignored) files, as a fresh clone would have them. An
+    earlier copy keeps its build outputs (ignored files): sources copied with their timestamps
+    leave ninja nothing to redo when they did not change."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
+    files = {rel for rel in files if rel and (ROOT / rel).is_file()}
+    if dest.exists():
+        stale = [p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()]
+        stale = [rel for rel in stale if rel not in files]
+        ignored = set(subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(stale),
+                                     capture_output=True, text=True).stdout.split("\n"))
+        for rel in stale:
+            if rel not in ignored:
+                (dest / rel).unlink()  # deleted or renamed in the checkout since
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
 
 
 def test_counts(junit: Path) -> dict:
