@@ -203,7 +203,7 @@ def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) 
 
 def write_table(base: Path, pytest_args: list[str]) -> None:
     results = []
-    for path in sorted((base / "results").glob("*.json")):
+    for path in sorted((base / "results").glob("py*.json")):
         results.append(json.loads(path.read_text()))
     order = {cell: i for i, cell in enumerate(CELLS)}
     results.sort(key=lambda r: (order.get(r["cell"], len(order)), r["cell"]))
