@@ -1,6 +1,10 @@
 """Builds gradfuse._C: the CPU kernels always, the CUDA kernels whenever a CUDA toolkit and a CUDA
 build of torch are present (a visible GPU is not needed).
 
+Build it against the torch that will run it, without build isolation:
+    pip install --no-build-isolation .          (or -e . for development)
+An isolated build stops with a message saying so (NO_TORCH_MESSAGE); sdist needs no torch.
+
 Environment:
   GRADFUSE_CUDA=0/1        force the CUDA kernels off / on (on fails if they cannot be built)
   CUDA_HOME                the CUDA toolkit; found from nvcc when unset (see find_cuda_home)
@@ -16,12 +20,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 # sm_80 (A100), sm_90 (H100/H200), sm_100 (B200), sm_120 (RTX 50xx), plus PTX for newer GPUs.
 DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0;12.0+PTX"
-MIN_TORCH = (2, 4)
+# The oldest torch the test suite passes with (docs/supported-versions.md; 2.4.1 fails in
+# torch.compile of the in-place op and in DTensor's import path).
+MIN_TORCH = (2, 6)
+# pyproject.toml's SPDX `license` string needs it; older ones fail with an obscure schema error.
+MIN_SETUPTOOLS = (77,)
+# Commands that compile (directly or through a wheel); sdist and the metadata commands (egg_info,
+# dist_info) do not, so they work without torch, e.g. in `python -m build --sdist`'s isolated env.
+COMPILING_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install",
+                      "bdist_egg", "bdist"}
+NO_TORCH_MESSAGE = """\
+[gradfuse setup] cannot build: torch is not importable by {python}.
+gradfuse compiles C++/CUDA code against the torch it will run with, so it must be built in the
+environment that has that torch, without build isolation (pip's default isolated build would
+not see it, or would compile against another torch). Install torch first, then one of:
+    pip install --no-build-isolation gradfuse-<version>.tar.gz   # an sdist
+    pip install --no-build-isolation .                           # a checkout
+    pip wheel --no-build-isolation --no-deps .                   # a wheel
+    python -m build --wheel --no-isolation                       # the same with `build`
+(uv: `uv pip install --no-build-isolation .`)"""
 
 
 def log(msg):
@@ -98,9 +122,18 @@ def write_build_config(torch, use_cuda, archs):
         path.write_text(text)
 
 
-def extensions():
-    import torch
+def import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(NO_TORCH_MESSAGE.format(python=sys.executable)) from None
+    return torch
 
+
+def extensions():
+    if not COMPILING_COMMANDS.intersection(sys.argv[1:]):
+        return []  # sdist / metadata only: no compiler, no torch needed
+    torch = import_torch()
     if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
         raise SystemExit(f"[gradfuse setup] torch >= {'.'.join(map(str, MIN_TORCH))} is required, "
                          f"found {torch.__version__}")
@@ -141,10 +174,38 @@ def extensions():
                           extra_compile_args={"cxx": cxx + ["-DGRADFUSE_WITH_CUDA"], "nvcc": nvcc})]
 
 
-def build_ext_class():
-    from torch.utils.cpp_extension import BuildExtension
-    return BuildExtension.with_options(use_ninja=True)
+RECORD_NAME = "_build_record.py"  # beside gradfuse/_C*.so; not in git, not in the sdist
 
+
+def build_ext_class():
+    if not COMPILING_COMMANDS.intersection(sys.argv[1:]):
+        return build_ext
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildExtAndRecord(BuildExtension.with_options(use_ninja=True)):
+        """After a successful build, writes gradfuse/_build_record.py next to the .so, so that
+        gradfuse can still say what the build was for when the .so no longer loads (a build for
+        another torch usually fails with an undefined symbol before it can be asked)."""
+
+        def run(self):
+            super().run()
+            import torch
+            with_cuda = any(isinstance(s, str) and s.endswith(".cu")
+                            for ext in self.extensions for s in ext.sources)
+            text = ("# Written by setup.py after building gradfuse._C; not in git.\n"
+                    f"TORCH_VERSION = {torch.__version__!r}\n"
+                    f"CUDA_VERSION = {(torch.version.cuda if with_cuda else '')!r}\n")
+            targets = [Path(self.build_lib, "gradfuse")] + ([ROOT / "gradfuse"] if self.inplace else [])
+            for folder in targets:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / RECORD_NAME).write_text(text)
+
+    return BuildExtAndRecord
+
+
+if tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:1]) < MIN_SETUPTOOLS:
+    raise SystemExit(f"[gradfuse setup] setuptools >= {MIN_SETUPTOOLS[0]} is required, found "
+                     f"{setuptools.__version__}: pip install -U 'setuptools>={MIN_SETUPTOOLS[0]}'")
 
 setup(
     packages=find_packages(include=["gradfuse", "gradfuse.*"]),

@@ -5,6 +5,9 @@
 # (GPT-2 small and 10 000 small tensors in fp32 and bf16, plus an 8 GB set), with the copy and
 # read bandwidth measured in the same run, and prints a short table last. Full logs go to $OUT
 # when it is set (the device tool), else build/gpu_check/. Budget: under 8 minutes.
+# Needs only what the GPU machine has (Python 3.12, torch 2.11.0+cu130, nvcc 13, ninja,
+# setuptools >= 77; no network): scripts/version_matrix.py runs this exact build command in its
+# Python 3.12 + torch 2.11.0 cell (see docs/supported-versions.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-build/gpu_check}

@@ -1,18 +1,44 @@
 """Loading gradfuse._C, checking what it was built against, and choosing a backend per device.
 
-The compiled ops are registered with the dispatcher as ``torch.ops.gradfuse.*``. Where the
-extension is missing, stale, or has no kernel for a device type, the pure-PyTorch reference
-(:mod:`gradfuse.reference`) runs instead, with one warning per device type.
+The compiled ops are registered with the dispatcher as ``torch.ops.gradfuse.*``. A build for
+another torch than the one running is refused at import, with both versions and the command that
+rebuilds it (from the extension's own build info, or from gradfuse/_build_record.py when the .so
+no longer loads). Where the extension is missing or has no kernel for a device type, the
+pure-PyTorch reference (:mod:`gradfuse.reference`) runs instead, with one warning per device type.
 """
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
-REBUILD_HINT = ("Rebuild it against the torch you run: "
-                "`pip install --no-build-isolation --no-deps -e .` in the gradfuse checkout.")
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "setup.py").exists() and (_CHECKOUT / "csrc").is_dir():  # running from a checkout
+    REBUILD_HINT = (f"Rebuild it against the torch you run, in {_CHECKOUT}: "
+                    "`pip install --no-build-isolation --no-deps -e .` "
+                    "(or `python setup.py build_ext --inplace`).")
+else:  # installed from an sdist, a wheel or a checkout
+    REBUILD_HINT = ("Reinstall it against the torch you run: `pip install --no-build-isolation "
+                    "--no-deps --force-reinstall <the gradfuse sdist or checkout>`.")
+
+
+def _describe_torch(version: str, cuda: str | None, kernels: bool = False) -> str:
+    none = "CPU kernels only" if kernels else "no CUDA"
+    return f"torch {version} ({('CUDA ' + cuda + (' kernels' if kernels else '')) if cuda else none})"
+
+
+def _refuse(built_torch: str, built_cuda: str | None) -> ImportError:
+    return ImportError(
+        f"gradfuse._C was built for {_describe_torch(built_torch, built_cuda, kernels=True)} but "
+        f"{_describe_torch(torch.__version__, torch.version.cuda)} is running. " + REBUILD_HINT)
+
+
+try:  # what setup.py recorded after the last successful build (absent in a checkout never built)
+    from gradfuse import _build_record
+except ImportError:
+    _build_record = None
 
 _C = None
 _load_error: str | None = None
@@ -20,14 +46,16 @@ _load_error: str | None = None
 try:
     from gradfuse import _C  # noqa: F811  (registers torch.ops.gradfuse.* with the dispatcher)
 except ImportError as e:  # not built, or built for another torch (undefined symbols)
+    if _build_record is not None and _build_record.TORCH_VERSION != torch.__version__:
+        raise _refuse(_build_record.TORCH_VERSION, _build_record.CUDA_VERSION) from e
     _load_error = f"gradfuse._C could not be loaded ({e}). {REBUILD_HINT}"
 
+
 if _C is not None:
-    _built = _C.build_info()["torch_version"]
-    if _built != torch.__version__:
-        raise ImportError(
-            f"gradfuse._C was built for torch {_built} but torch {torch.__version__} is running. "
-            + REBUILD_HINT)
+    _built = _C.build_info()
+    if _built["torch_version"] != torch.__version__:
+        # A build for another torch may load (no missing symbol) yet break its ABI: refuse it.
+        raise _refuse(_built["torch_version"], _built["cuda_version"])
 
 if _C is None and os.environ.get("GRADFUSE_REQUIRE_EXT") == "1":
     raise ImportError(_load_error)
@@ -42,6 +70,46 @@ def build_info() -> dict:
     info["extension_loaded"] = True
     info["cpu_capability"] = _C.cpu_capability()
     return info
+
+
+def _arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether code built for `arch` ("9.0", "12.0+PTX") runs on a GPU of `capability`: a cubin
+    runs on its major version at the same or a higher minor; PTX is compiled for any newer GPU."""
+    ptx = arch.endswith("+PTX")
+    major, minor = (int(x) for x in arch.removesuffix("+PTX").rstrip("af").split("."))
+    if ptx and (major, minor) <= capability:
+        return True
+    return major == capability[0] and minor <= capability[1]
+
+
+def mismatches() -> list[str]:
+    """What differs between the build of gradfuse._C and what is running, each with what to do;
+    empty when the build serves every device present. (A build for another torch is refused at
+    import and never gets here.)"""
+    problems = []
+    if _C is None:
+        problems.append(f"{_load_error} Until then the pure-PyTorch reference runs on every device.")
+        return problems
+    info = _C.build_info()
+    if not torch.cuda.is_available():
+        return problems
+    if not info["with_cuda"]:
+        need = f"a CUDA {torch.version.cuda.split('.')[0]}.x toolkit" if torch.version.cuda else "CUDA"
+        problems.append(
+            "a GPU is visible but this build has no CUDA kernels, so CUDA tensors use the pure-PyTorch "
+            f"reference. {REBUILD_HINT} Build where {need} is found (CUDA_HOME, or nvcc on PATH), "
+            "with GRADFUSE_CUDA=1 to make a missing toolkit an error.")
+        return problems
+    archs = [a for a in info["cuda_archs"].replace(" ", ";").split(";") if a]
+    for i in range(torch.cuda.device_count()):
+        capability = torch.cuda.get_device_capability(i)
+        if archs and not any(_arch_runs_on(a, capability) for a in archs):
+            problems.append(
+                f"GPU {i} ({torch.cuda.get_device_name(i)}, compute capability "
+                f"{capability[0]}.{capability[1]}) is not among the architectures built "
+                f"({info['cuda_archs']}): its kernels cannot launch. {REBUILD_HINT} Set "
+                f"TORCH_CUDA_ARCH_LIST=\"{capability[0]}.{capability[1]}\" (or leave it unset on the GPU machine).")
+    return problems
 
 
 _warned: set[str] = set()
