@@ -256,7 +256,8 @@ class ParamWatch : public torch::CustomClassHolder {
     } else if (std::isinf(p)) {
       acc = floats.size(0) ? floats.select(1, kMaxAbs).amax() : floats.new_zeros({});
     } else if (p == 0.0) {
-      acc = (counts.select(1, kNumel) - counts.select(1, kZeroCount)).sum().to(at::kDouble);
+      // As torch composes per-tensor norms: the count of gradients with a non-zero element.
+      acc = (counts.select(1, kNumel) - counts.select(1, kZeroCount)).gt(0).sum().to(at::kDouble);
     } else {
       acc = floats.select(1, kPowSum).sum();
     }

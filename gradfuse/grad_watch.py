@@ -93,7 +93,9 @@ class GradWatch:
         # Rows are matched to parameters by name: duplicated names (possible in a user's list of
         # pairs) and group= (a collective per call) always take the functional path.
         self._index = index if len(index) == len(self.names) else None
-        usable = cls is not None and self._index is not None and self.group is None
+        # Negative orders and -inf take the functional path's per-tensor arithmetic.
+        usable = (cls is not None and self._index is not None and self.group is None
+                  and api._kernel_takes_order(self.norm_type))
         self._fast = cls(self.params) if usable else None
 
     def __len__(self) -> int:
@@ -144,7 +146,7 @@ class GradWatch:
                 and not distributed.may_have_dtensors(grads)):
             rows = [self._index[name] for name in s.names]
             compiled = [t for t in ("cpu", "cuda") if _ext._has_kernel(t)]
-            if self._fast.plan(rows, s.total_norm, compiled):
+            if self._fast.plan(rows, s._total, compiled):
                 self._row_names = list(s.names)  # s.names is the caller's to change
         return s
 

@@ -9,6 +9,12 @@ def acc_eps(dtype: torch.dtype) -> float:
     return 1e-12 if dtype == torch.float64 else 1e-5
 
 
+def acc_tiny(dtype: torch.dtype) -> float:
+    # The accumulator's smallest normal number: a square or power below it loses all its
+    # relative precision (1e-30 in bf16 squares to 1e-60, which is 0 in float32).
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
+
+
 def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
     """Compares compiled (floats, counts) with the reference computed in float64, or with
     `expected`, another backend's result (then both may be off by the tolerance)."""
@@ -27,6 +33,7 @@ def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
         x = t.detach().cpu().double().reshape(-1)
         finite = x[x.isfinite()]
         eps = acc_eps(t.dtype)
+        underflow = acc_tiny(t.dtype) * x.numel()
         # Error bounds scale with the sum of magnitudes, not the (possibly cancelling) result.
         scale = {0: finite.abs().sum().item(), 1: (finite * finite).sum().item(),
                  2: 0.0, 3: rf[i, 3].abs().item()}
@@ -37,5 +44,5 @@ def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
             elif abs(b) == float("inf"):
                 assert a == b, f"tensor {i} col {col}: expected {b}, got {a}"
             else:
-                tol = slack * eps * (scale[col] + abs(b)) * max(1, x.numel() ** 0.5 / 64) + 1e-300
+                tol = slack * eps * (scale[col] + abs(b)) * max(1, x.numel() ** 0.5 / 64) + underflow
                 assert abs(a - b) <= tol, f"tensor {i} col {col}: {a} vs {b} (tol {tol})"

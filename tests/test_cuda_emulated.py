@@ -138,9 +138,8 @@ def test_full_launch_tables_of_tiny_tensors(emu):
     check_stats(emu, [randn(n, torch.float32, seed=i) for i, n in enumerate(sizes)], 1.0)
 
 
-# |x| as `x < 0 ? -x : x` keeps -0.0: pow(-0.0, p) is -inf for odd integer p < 0 (raw op only),
-# and +0.0 with -0.0 in one chunk give NaN.
-@pytest.mark.xfail(strict=False, reason="stats_math.h: |x| must be fabs (issue 9)")
+# A regression test for |x| by fabs: as `x < 0 ? -x : x` it kept -0.0, so pow(-0.0, p) was -inf for
+# odd integer p < 0 (raw op only), and +0.0 with -0.0 in one chunk gave NaN.
 @pytest.mark.parametrize("norm_type", [-1.0, -3.0])
 def test_negative_norm_type_with_signed_zeros(emu, dtype, norm_type):
     tensors = [torch.tensor([0.0, -0.0, 1.0], dtype=dtype), torch.full((5,), -0.0, dtype=dtype)]

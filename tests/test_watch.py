@@ -298,6 +298,25 @@ def test_functional_path_serves_what_the_fast_path_does_not(monkeypatch):
 
 
 @needs_ext
+@pytest.mark.parametrize("norm_type", [-1.0, -math.inf])
+def test_negative_orders_take_the_functional_path(norm_type):
+    """The kernels keep no min |x| and no sign-free pow: as gradfuse.stats / clip_, every step."""
+    lin1, lin2 = nn.Linear(4, 3), nn.Linear(4, 3)
+    for m in (lin1, lin2):
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    g = gradfuse.watch(lin1, norm_type=norm_type)
+    for _ in range(2):
+        s, ref = g.stats(), gradfuse.stats(lin2, norm_type=norm_type)
+        assert g.last_path == "python" and float(s.total_norm) > 0
+        torch.testing.assert_close(s.total_norm, ref.total_norm, rtol=0, atol=0)
+    s, ref = g.clip_(1e-3), gradfuse.clip_(lin2, 1e-3, norm_type=norm_type)
+    assert bool(s.clipped)
+    for a, b in zip(lin1.parameters(), lin2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@needs_ext
 def test_bad_gradients_raise_naming_the_parameter():
     emb = nn.Embedding(10, 3, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
@@ -313,7 +332,7 @@ def test_bad_gradients_raise_naming_the_parameter():
     with pytest.raises(TypeError, match=r"'weight'.*sparse"):
         g.stats()
     with pytest.raises(ValueError, match="norm_type"):
-        gradfuse.watch(lin, norm_type=-1)
+        gradfuse.watch(lin, norm_type=float("nan"))
     with pytest.raises(ValueError, match="max_norm"):
         gradfuse.watch(lin).clip_(float("nan"))
 
