@@ -397,9 +397,11 @@ def test_cuda_fast_path_without_host_sync_and_bitwise_equal():
 
 
 def _distributed_worker(rank, world, init_file, out_dir):
+    import datetime
     try:
+        # A check failing on one rank leaves the other in a collective: time out, do not hang.
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
         mesh = init_device_mesh("cpu", (world,))
@@ -432,11 +434,13 @@ def _distributed_worker(rank, world, init_file, out_dir):
     except Exception as e:  # reported to the test in the parent
         import traceback
         status = f"{e!r}\n{traceback.format_exc()}"
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
         f.write(status)
+    if dist.is_initialized():
+        # Tearing down while the other rank still waits on this one's last collective aborts
+        # that rank (gloo): meet first.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
