@@ -3,8 +3,6 @@ clip_grads_with_norm_, clip_."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 import types
 import warnings
 from collections.abc import Iterable
@@ -13,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from gradfuse import distributed, ops, reference
+from gradfuse import distributed, ops, sharded, slow_paths
 from gradfuse.grad_stats import GradStats
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUMSQ, ZERO
 
@@ -131,27 +129,6 @@ def _kernel_takes_order(p: float) -> bool:
     return p >= 0
 
 
-_warned: set[str] = set()
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _warn_slow_once(kind: str) -> None:
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(f"gradfuse: {kind} take a slower per-tensor PyTorch path, not the fused "
-                      "kernels (this warning is shown once)", stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel, for a warning issued by the caller, of the first frame outside gradfuse
-    and torch's no_grad wrapper: the warning then names the user's line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
-                                 or frame.f_code.co_filename.endswith("_contextlib.py")):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Indices of ``tensors`` per (device, dtype), grouped in C++ (no per-tensor Python)."""
     if not tensors:
@@ -162,19 +139,20 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
 
 def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
                  group=None, what: str = "gradient", *, slow_path: bool = False,
-                 elementwise_zero_norm: bool = False) -> GradStats:
+                 elementwise_zero_norm: bool = False, rows: bool = True) -> GradStats:
     """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
     returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
     reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
     flag are reduced over that process group (see gradfuse.distributed). ``slow_path``: also
     take sparse and complex tensors (per tensor, in PyTorch). ``elementwise_zero_norm``: the
-    total 0-norm counts non-zero elements, not tensors with one (see _norm_accumulator)."""
+    total 0-norm counts non-zero elements, not tensors with one (see _norm_accumulator).
+    ``rows=False``, when only the total is needed: DTensor gradients then cost one functional
+    scalar all-reduce per sharded mesh dimension, as in torch, and their rows are reduced only
+    when read (gradfuse.sharded)."""
     locals_, layouts = tensors, [None] * len(tensors)
     dtensor_spec = None
     if distributed.may_have_dtensors(tensors):
-        pairs = [distributed.local_and_layout(n, t) for n, t in zip(names, tensors)]
-        locals_, layouts = [p[0] for p in pairs], [p[1] for p in pairs]
-        dtensor_spec = distributed.total_norm_spec(tensors, layouts, norm_type)
+        locals_, layouts, dtensor_spec = sharded.split_dtensors(names, tensors, norm_type)
     if not tensors and group is None:
         return GradStats([], torch.empty((0, 4), dtype=torch.float64),
                          torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
@@ -196,7 +174,7 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
         idx = groups[key]
         whole = len(idx) == len(locals_)
         group_tensors = locals_ if whole else [locals_[i] for i in idx]
-        f, c = whole_result or _group_stats(names, idx, group_tensors, norm_type, what, slow_path)
+        f, c = whole_result or slow_paths.group_stats(names, idx, group_tensors, norm_type, what, slow_path)
         out_names += names if whole else [names[i] for i in idx]
         floats.append(f.to(device))
         counts.append(c.to(device))
@@ -208,9 +186,16 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
     else:  # a rank with no gradients still joins the group's collective
         floats = torch.zeros((0, 4), dtype=torch.float64, device=device)
         counts = torch.zeros((0, 4), dtype=torch.int64, device=device)
+    pending_rows = None
     if any(layout is not None for layout, _, _ in segments):
-        floats, counts = _reduce_sharded(floats, counts, segments, norm_type)
-    acc = _norm_accumulator(floats, counts, norm_type, elementwise_zero_norm)
+        if rows or group is not None or not sharded.total_only_takes(norm_type):
+            floats, counts = sharded.reduce_rows(floats, counts, segments, norm_type)
+        else:
+            pending_rows = sharded.PendingRows(floats, counts, segments, norm_type)
+    if pending_rows is None:
+        acc = _norm_accumulator(floats, counts, norm_type, elementwise_zero_norm)
+    else:
+        acc = sharded.reduce_total(floats, counts, segments, norm_type)
     group_nonfinite = None
     if group is not None:
         nonfinite_count = (counts[:, NAN] + counts[:, INF]).sum()
@@ -221,51 +206,17 @@ def _fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float
     for _order, _device, dtype in groups:
         out_dtype = torch.promote_types(out_dtype, _norm_dtype(dtype))
     return GradStats(out_names, floats, counts, norm_type, total.to(out_dtype),
-                     group_nonfinite=group_nonfinite, dtensor_spec=dtensor_spec)
+                     group_nonfinite=group_nonfinite, dtensor_spec=dtensor_spec,
+                     pending_rows=pending_rows)
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-def _group_stats(names, idx, tensors, p: float, what: str, slow_path: bool):
-    """(floats, counts) of one (device, dtype) group: the compiled op, and the per-tensor path for
-    what it does not take (negative orders, sparse and complex tensors)."""
-    if not _kernel_takes_order(p) or tensors[0].dtype.is_complex:
-        _check_tensors([names[i] for i in idx], tensors, what, slow_path)
-        _warn_if_sparse_or_complex(tensors)
-        return reference.tensor_rows(tensors, p)
-    try:
-        return ops.multi_tensor_stats(tensors, p)
-    except RuntimeError:  # e.g. a sparse gradient: say which parameter, if it is that
-        _check_tensors([names[i] for i in idx], tensors, what, slow_path)
-        dense = [i for i, t in enumerate(tensors) if t.layout == torch.strided]
-        if len(dense) == len(tensors):
-            raise
-    # Sparse gradients among dense ones of the same dtype: rows of each kind, back in order.
-    _warn_slow_once("sparse gradients")
-    sparse = [i for i, t in enumerate(tensors) if t.layout != torch.strided]
-    f, c = reference.tensor_rows([tensors[i] for i in sparse], p)
-    floats = f.new_empty((len(tensors), 4))
-    counts = c.new_empty((len(tensors), 4))
-    floats[sparse], counts[sparse] = f, c
-    if dense:
-        floats[dense], counts[dense] = (
-            x.to(f.device) for x in ops.multi_tensor_stats([tensors[i] for i in dense], p))
-    return floats, counts
-
-
-def _warn_if_sparse_or_complex(tensors) -> None:
-    if tensors[0].dtype.is_complex:
-        _warn_slow_once("complex gradients")
-    if any(t.layout != torch.strided for t in tensors):
-        _warn_slow_once("sparse gradients")
-
-
 def _layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple, list[int]]:
-    """Indices per (layout order, device, dtype); rows of one sharding layout stay adjacent, so
-    each layout is reduced as one block. Raises GradientTypeError naming a parameter of a dtype
-    no path takes."""
+    """Indices per (layout order, device, dtype) (DTensors: gradfuse.sharded). Raises
+    GradientTypeError naming a parameter of a dtype no path takes."""
     if not tensors:
         return {}
     if not any(layouts):
@@ -275,41 +226,7 @@ def _layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple
         if any(dtype not in SUPPORTED_DTYPES for _, dtype in grouped):
             _check_tensors(names, tensors, what, slow_path)
         return {(0, device, dtype): idx for (device, dtype), idx in grouped.items()}
-    _check_tensors(names, tensors, what, slow_path)
-    layout_order: dict = {}
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        order = layout_order.setdefault(_layout_key(layouts[i]), len(layout_order))
-        groups.setdefault((order, t.device, t.dtype), []).append(i)
-    return groups
-
-
-def _layout_key(layout):
-    # The mesh itself, not its id: FSDP2 can hand equal meshes as distinct objects, which would
-    # cost another 2 collectives each (DeviceMesh caches its hash; == checks identity first).
-    return None if layout is None else (layout[0], layout[1])
-
-
-def _reduce_sharded(floats, counts, segments, norm_type: float):
-    """Replaces the rows of sharded gradients with those of the full gradients; consecutive
-    segments of one layout (several dtypes) are reduced together."""
-    merged = []
-    for layout, a, b in segments:
-        if merged and merged[-1][0] is not None and layout is not None \
-                and _layout_key(merged[-1][0]) == _layout_key(layout):
-            merged[-1] = (layout, merged[-1][1], b)
-        else:
-            merged.append((layout, a, b))
-    f_parts, c_parts = [], []
-    for layout, a, b in merged:
-        if layout is None:
-            f_parts.append(floats[a:b])
-            c_parts.append(counts[a:b])
-        else:
-            f, c = distributed.reduce_sharded_rows(floats, counts, layout, a, b, norm_type)
-            f_parts.append(f)
-            c_parts.append(c)
-    return torch.cat(f_parts), torch.cat(c_parts)
+    return sharded.layout_groups(names, tensors, layouts, what, slow_path)
 
 
 def _norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float,
@@ -443,8 +360,8 @@ def _raise_if_nonfinite(s: GradStats) -> None:
 
 
 def _clip(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
-          group=None, slow_path: bool = False) -> GradStats:
-    s = _fused_stats(names, grads, norm_type, group, slow_path=slow_path)
+          group=None, slow_path: bool = False, rows: bool = True) -> GradStats:
+    s = _fused_stats(names, grads, norm_type, group, slow_path=slow_path, rows=rows)
     if grads and error_if_nonfinite:
         _raise_if_nonfinite(s)
     return _scale_to_max_norm(s, grads, max_norm)
@@ -492,7 +409,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                           stacklevel=3)
     names, _params, grads = _grads_of(parameters, "clip_grad_norm_")
     return _clip(names, grads, _check_max_norm(max_norm), _check_norm_type(norm_type),
-                 error_if_nonfinite, slow_path=True).total_norm
+                 error_if_nonfinite, slow_path=True, rows=False).total_norm
 
 
 @torch.no_grad()
@@ -509,7 +426,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     tensors = _as_tensor_list(tensors, "get_total_norm")
     names = [f"[{i}]" for i in range(len(tensors))]
     try:
-        s = _fused_stats(names, tensors, _check_norm_type(norm_type), slow_path=True)
+        s = _fused_stats(names, tensors, _check_norm_type(norm_type), slow_path=True, rows=False)
     except (AttributeError, TypeError, RuntimeError):
         bad = next((i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)), None)
         if bad is None:

@@ -99,6 +99,27 @@ def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, star
     return f_out, c_out
 
 
+def all_reduce_accumulator(acc: torch.Tensor, layout, norm_type: float) -> torch.Tensor:
+    """The total norm's accumulator of gradients sharded by ``layout`` (mesh, sharded mesh
+    dims), from this rank's: as torch.nn.utils reduces its Partial total norm to Replicate, one
+    functional all-reduce (``c10d_functional.all_reduce``, which CommDebugMode, torch.compile and
+    NCCL overlap see) per sharded mesh dimension, of one scalar (a sum of |x|^p). For inf the
+    maximum travels with a NaN flag beside it (a backend's MAX may drop NaN)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    mesh, dims = layout
+    if math.isinf(norm_type):
+        x, op = torch.stack([acc, torch.isnan(acc).to(acc.dtype)]), "max"
+    else:
+        x, op = acc.reshape(1), "sum"
+    for d in dims:  # reducing over each sharded dimension in turn reduces over their product
+        x = funcol.all_reduce(x, op, (mesh, d))
+    x = funcol.wait_tensor(x) if hasattr(funcol, "wait_tensor") else x * 1
+    if math.isinf(norm_type):
+        return torch.where(x[1] > 0, torch.full_like(x[0], math.nan), x[0])
+    return x[0]
+
+
 def reduce_over_group(acc: torch.Tensor, nonfinite_count: torch.Tensor, norm_type: float, group):
     """The total norm's accumulator and whether any element is non-finite, over ``group``,
     in one collective."""

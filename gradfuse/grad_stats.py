@@ -54,7 +54,8 @@ class GradStats:
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
                  norm_type: float, total_norm: torch.Tensor,
                  clip_coef: torch.Tensor | None = None, max_norm: float | None = None,
-                 group_nonfinite: torch.Tensor | None = None, dtensor_spec=None):
+                 group_nonfinite: torch.Tensor | None = None, dtensor_spec=None,
+                 pending_rows=None):
         self.names = names
         # With group= (pipeline stages): rows are this rank's parameters, while total_norm and
         # nonfinite cover the whole group.
@@ -67,22 +68,38 @@ class GradStats:
         self.total_norm = total_norm if dtensor_spec is None else as_dtensor(total_norm, dtensor_spec)
         self.clip_coef = clip_coef
         self.max_norm = max_norm
-        self._floats = floats  # [n, 4] float64, columns as in gradfuse.reference
-        self._counts = counts  # [n, 4] int64
+        self._rows_f = floats  # [n, 4] float64, columns as in gradfuse.reference
+        self._rows_c = counts  # [n, 4] int64
+        # DTensor gradients whose total norm alone was reduced (gradfuse.sharded): rows of this
+        # rank's shards, reduced over the mesh when first read (a collective on every rank).
+        self._pending_rows = pending_rows
         self._host_cache: dict | None = None
         self._derived: dict = {}
 
     def _replace(self, **changes) -> "GradStats":
         """A copy with some constructor arguments changed (the derived values are recomputed)."""
-        args = dict(names=self.names, floats=self._floats, counts=self._counts,
+        args = dict(names=self.names, floats=self._rows_f, counts=self._rows_c,
                     norm_type=self.norm_type, total_norm=self._total, clip_coef=self.clip_coef,
                     max_norm=self.max_norm, group_nonfinite=self._group_nonfinite,
-                    dtensor_spec=self._dtensor_spec)
+                    dtensor_spec=self._dtensor_spec, pending_rows=self._pending_rows)
         args.update(changes)
         return GradStats(**args)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def _floats(self) -> torch.Tensor:
+        if self._pending_rows is not None:
+            self._rows_f, self._rows_c = self._pending_rows.get()
+            self._pending_rows = None
+        return self._rows_f
+
+    @property
+    def _counts(self) -> torch.Tensor:
+        if self._pending_rows is not None:
+            self._floats  # reduces both
+        return self._rows_c
 
     # Per-parameter statistics, derived lazily from the fused results (small device ops).
     @_derived
@@ -121,6 +138,8 @@ class GradStats:
     def nonfinite(self) -> torch.Tensor:
         if self._group_nonfinite is not None:
             return self._group_nonfinite
+        if self._pending_rows is not None:  # a NaN/Inf element made the total NaN/Inf
+            return ~torch.isfinite(self._total)
         return (self._counts[:, NAN] + self._counts[:, INF]).sum() > 0
 
     @_derived

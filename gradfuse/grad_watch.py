@@ -104,17 +104,21 @@ class GradWatch:
     def __repr__(self) -> str:
         return f"GradWatch({len(self)} parameters, norm_type={self.norm_type})"
 
-    def stats(self) -> GradStats:
-        """Statistics of the current gradients: ``gradfuse.stats(source, norm_type=...)``."""
+    def stats(self, *, rows: bool = True) -> GradStats:
+        """Statistics of the current gradients: ``gradfuse.stats(source, norm_type=...)``.
+        ``rows=False``: for DTensor gradients only the total norm is reduced now (one scalar
+        all-reduce per sharded mesh dimension, as torch's clip_grad_norm_); the per-parameter
+        rows are reduced when first read, which every rank must then do."""
         if self._fast_ready():
             out = self._fast.stats(self.norm_type)
             if out:
                 self.last_path = "fast"
                 return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2])
-        return self._python_stats()
+        return self._python_stats(rows)
 
     @torch.no_grad()
-    def clip_(self, max_norm: float, error_if_nonfinite: bool = False) -> GradStats:
+    def clip_(self, max_norm: float, error_if_nonfinite: bool = False, *,
+              rows: bool = True) -> GradStats:
         """Clips the current gradients in place by total norm and returns their statistics from
         before clipping: ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``."""
         max_norm = api._check_max_norm(max_norm)
@@ -124,7 +128,7 @@ class GradWatch:
                 self.last_path = "fast"
                 return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2],
                                  clip_coef=out[3], max_norm=max_norm)
-        s = self.stats()
+        s = self.stats(rows=rows)
         total = s.total_norm
         if len(s) and error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
             api._raise_nonfinite(s)
@@ -136,11 +140,11 @@ class GradWatch:
         return (self._fast is not None and self._row_names is not None
                 and not torch.compiler.is_compiling())
 
-    def _python_stats(self) -> GradStats:
+    def _python_stats(self, rows: bool = True) -> GradStats:
         """The functional path for this step; then a plan for the fast path from its result."""
         self.last_path = "python"
         names, _params, grads = api._with_grads(self.names, self.params)
-        s = api._fused_stats(names, grads, self.norm_type, self.group)
+        s = api._fused_stats(names, grads, self.norm_type, self.group, rows=rows)
         self._row_names = None
         if (self._fast is not None and len(s) and not torch.compiler.is_compiling()
                 and not distributed.may_have_dtensors(grads)):

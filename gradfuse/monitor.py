@@ -221,17 +221,20 @@ class GradMonitor:
             self._started = True
             self._check_sinks_continue(step)
         fused_unscale = self._unscale_here()
+        log_now = (self.every > 0 and step % self.every == 0) if log is None else log
+        # DTensor gradients: a step that does not log reduces only the total norm (one scalar
+        # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
+        rows = bool(log_now and self.sinks)
         # With no policy to apply before clipping, statistics and clip are one call.
         clip_now = not fused_unscale and self.max_norm is not None and not self._needs_flag()
         if fused_unscale:
             names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
             s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
         elif clip_now:
-            s = self._watch.clip_(self.max_norm)
+            s = self._watch.clip_(self.max_norm, rows=rows)
         else:
-            s = self._watch.stats()
+            s = self._watch.stats(rows=rows)
         report = StepReport(step, stats=s)
-        log_now = (self.every > 0 and step % self.every == 0) if log is None else log
 
         code = 0
         if len(s) and self._needs_flag():

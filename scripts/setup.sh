@@ -1,23 +1,67 @@
 #!/usr/bin/env bash
-# Sets up a fresh checkout: .venv with requirements-dev.txt, then builds gradfuse._C in place.
+# Sets up a fresh checkout: .venv, its requirements, then builds gradfuse._C in place.
+#   bash scripts/setup.sh test   (the default; scripts/test.sh, CI) requirements-dev.txt, and the
+#                                CPU and CUDA kernels (CUDA whenever a toolkit is found, for the
+#                                emulated-grid and SASS-budget tests), for every default GPU arch
+#   bash scripts/setup.sh demo   (scripts/demo.sh) requirements-demo.txt and the CPU kernels only
+#                                (GRADFUSE_CUDA=0), unless a build with CUDA kernels is already
+#                                there: that one is kept (and brought up to date)
+# A build of the other kind is rebuilt (build_info()["with_cuda"] tells which is there).
 # Safe to re-run: pip skips what is installed and ninja rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-test}
+case "$MODE" in
+  test) REQUIREMENTS=requirements-dev.txt ;;
+  demo) REQUIREMENTS=requirements-demo.txt ;;
+  *) echo "usage: bash scripts/setup.sh [test|demo]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
-echo "[setup] installing requirements-dev.txt (torch 2.14.1 is several GB the first time)"
+echo "[setup] installing $REQUIREMENTS (torch 2.14.1 is several GB the first time)"
 # (this machine's pip config names local mirrors that may be absent; their warnings are noise)
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
+.venv/bin/python -m pip install -q --disable-pip-version-check -r "$REQUIREMENTS" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
-echo "[setup] building gradfuse._C (a few minutes the first time; MAX_JOBS=${MAX_JOBS:-auto})"
-mkdir -p build
-if ! .venv/bin/python setup.py build_ext --inplace > build/setup.log 2>&1; then
-  tail -n 60 build/setup.log
-  echo "[setup] build failed; the whole log is build/setup.log" >&2
-  exit 1
+
+# What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load).
+built_kind() {
+  .venv/bin/python - <<'PY' 2>/dev/null || echo none
+import gradfuse
+info = gradfuse.build_info()
+print(("cuda" if info["with_cuda"] else "cpu") if info.get("extension_loaded") else "none")
+PY
+}
+
+build() {  # build [extra setup.py arguments]
+  mkdir -p build
+  if ! .venv/bin/python setup.py build_ext --inplace "$@" > build/setup.log 2>&1; then
+    tail -n 60 build/setup.log
+    echo "[setup] build failed; the whole log is build/setup.log" >&2
+    exit 1
+  fi
+}
+
+BEFORE=$(built_kind)
+if [ "$MODE" = demo ] && [ "$BEFORE" != cuda ] && [ -z "${GRADFUSE_CUDA:-}" ]; then
+  export GRADFUSE_CUDA=0  # the demo runs on the CPU: kernels for absent GPUs are for tests, CI, wheels
+fi
+echo "[setup] building gradfuse._C ($([ "${GRADFUSE_CUDA:-}" = 0 ] && echo "CPU kernels only" || echo "CPU and CUDA kernels when a toolkit is found"); a few minutes the first time; MAX_JOBS=${MAX_JOBS:-auto})"
+build
+WANT=$(grep -q "^\[gradfuse setup\] CUDA kernels: yes" build/setup.log && echo cuda || echo cpu)
+AFTER=$(built_kind)
+if [ "$AFTER" != "$WANT" ]; then
+  # setuptools skips an extension whose .so is newer than its sources, even when the last build
+  # was of the other kind (the demo's CPU-only build before the tests) or no longer loads.
+  echo "[setup] the build in place is '$AFTER', this setup wants '$WANT': rebuilding"
+  build --force
+  AFTER=$(built_kind)
+  if [ "$AFTER" != "$WANT" ]; then
+    echo "[setup] after a forced rebuild gradfuse._C is '$AFTER', not '$WANT'; see build/setup.log" >&2
+    exit 1
+  fi
 fi
 grep "^\[gradfuse setup\]" build/setup.log || true
 .venv/bin/python -c "import gradfuse, json; print('[setup] gradfuse build:', json.dumps(gradfuse.build_info()))"

@@ -40,6 +40,14 @@ def counting_all_reduces():
         dist.all_reduce = real
 
 
+@contextlib.contextmanager
+def functional_all_reduces():
+    """Counts c10d_functional.all_reduce calls (what torch's FSDP2 clip test counts)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    with CommDebugMode() as comm_mode:
+        yield lambda: comm_mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce]
+
+
 def assert_total_like_torch(ours, theirs):
     """The total norm as torch returns it for DTensor gradients: a DTensor, same mesh and
     placements, same full value."""
@@ -213,9 +221,12 @@ def check_fsdp2_clip(rank, world):
             max_norm = float(ref_total) / 2  # clipping is never vacuous
             t_total = nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
             close(nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm, norm_type), ref_total)
-            with counting_all_reduces() as calls:
+            with counting_all_reduces() as calls, functional_all_reduces() as functional:
                 total = gradfuse.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-            assert len(calls) == 2, calls  # one sharded layout on one mesh dimension
+            if norm_type > 0:  # the total alone: one functional scalar all-reduce, as torch
+                assert not calls and functional() == 1, (calls, functional())
+            else:  # rows reduced: one sharded layout on one mesh dimension, 2 collectives
+                assert len(calls) == 2 and functional() == 0, (calls, functional())
             assert_total_like_torch(total, t_total)
             close(total.full_tensor(), ref_total)
             for param, ref_param, local in zip(model.parameters(), ref_model.parameters(), local_grads):
@@ -244,14 +255,19 @@ def check_mesh2d(rank, world):
             out.append(p)
         return out
 
-    expected_all_reduces = 2 * (1 + 2 + 1)  # layouts a, b (two sharded dims), c; d is replicated
+    # rows: 2 per sharded layout and mesh dimension: layouts a, b (two sharded dims), c; d is
+    # replicated. The total alone (p > 0): one functional scalar all-reduce per layout and dim.
+    expected_all_reduces = 2 * (1 + 2 + 1)
     for norm_type in (2.0, math.inf, -math.inf, 1.0, 0.0, -1.0, 3.0):
         ref = nn.utils.get_total_norm(list(full_grads.values()), norm_type)
         ours, theirs = params(), params()
         t_total = nn.utils.clip_grad_norm_(theirs, float(ref) / 2, norm_type)
-        with counting_all_reduces() as calls:
+        with counting_all_reduces() as calls, functional_all_reduces() as functional:
             total = gradfuse.clip_grad_norm_(ours, float(ref) / 2, norm_type)
-        assert len(calls) == expected_all_reduces, calls
+        if norm_type > 0:
+            assert not calls and functional() == 1 + 2 + 1, (calls, functional())
+        else:
+            assert len(calls) == expected_all_reduces and functional() == 0, calls
         assert_total_like_torch(total, t_total)
         close(total.full_tensor(), ref)
         for a, b, before in zip(ours, theirs, params()):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import api
+from gradfuse import api, slow_paths
 
 inf = math.inf
 POSITIVE_ORDERS = [2.0, 1.0, inf, 3.0, 0.5]
@@ -294,7 +294,7 @@ def test_sparse_gradients(norm_type):
 
 
 def test_sparse_gradients_warn_once(monkeypatch):
-    monkeypatch.setattr(api, "_warned", set())
+    monkeypatch.setattr(slow_paths, "_warned", set())
     with pytest.warns(UserWarning, match="sparse gradients take a slower per-tensor PyTorch path"):
         gradfuse.clip_grad_norm_(embedding_model(), 1.0)
     import warnings
@@ -317,7 +317,7 @@ def complex_params(device, seed=0):
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, inf, 3.0, 0.0, -1.0, -inf])
 def test_complex_gradients(device, norm_type, monkeypatch):
-    monkeypatch.setattr(api, "_warned", set())
+    monkeypatch.setattr(slow_paths, "_warned", set())
     params = complex_params(device)
     total = float(torch_total(params, norm_type))
     max_norm = total / 2 if total > 0 else 1.0
