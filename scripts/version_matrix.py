@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -121,9 +122,49 @@ def test_counts(junit: Path) -> dict:
     return counts
 
 
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
 def git_commit() -> str:
-    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "?"
+    """The commit a row measures: the checkout's HEAD (the cell copies its working tree), and
+    when that tree has uncommitted changes, "+dirty." and the first 8 hex digits of the sha1 of
+    `git diff HEAD` (so two dirty rows of one commit can be told apart)."""
+    head = git("rev-parse", "--short=10", "HEAD") or "?"
+    diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=ROOT, capture_output=True).stdout
+    untracked = git("ls-files", "--others", "--exclude-standard")
+    if diff or untracked:
+        digest = hashlib.sha1(diff + untracked.encode()).hexdigest()[:8]
+        return f"{head}+dirty.{digest}"
+    return head
+
+
+def provenance(results: list[dict]) -> str:
+    """Which code the rows measured, written with the table: each distinct commit with its date and
+    subject, and how far behind the checkout that writes the table it is."""
+    head = git("rev-parse", "HEAD")
+    lines = []
+    for commit in dict.fromkeys(r.get("commit", "?") for r in results):
+        base = commit.split("+")[0].removesuffix("-dirty")
+        cells = ", ".join(f"{r['python']}/{r['torch']}" for r in results if r.get("commit") == commit)
+        full = git("rev-parse", "--verify", "--quiet", base + "^{commit}")
+        if not full:
+            lines.append(f"- `{commit}` ({cells}): not in this checkout's history")
+            continue
+        when, subject = git("show", "-s", "--format=%cs%x00%s", full).split("\0", 1)
+        is_ancestor = bool(head) and subprocess.run(
+            ["git", "merge-base", "--is-ancestor", full, head], cwd=ROOT).returncode == 0
+        if full == head:
+            state = "the checkout's HEAD"
+        elif is_ancestor:
+            state = f"{git('rev-list', '--count', f'{full}..{head}')} commit(s) behind it"
+        else:
+            state = "not an ancestor of it"
+        dirty = ((", with uncommitted changes" + (" (sha1 of the diff after `dirty.`)" if "dirty." in commit
+                                                   else "")) if "dirty" in commit else "")
+        lines.append(f"- `{commit}` ({cells}): {when}, \"{subject}\"; {state}{dirty}")
+    return (f"Rows measured these commits (the table written at `{head[:10] or '?'}`); a row "
+            "describes the code of its commit, not newer code:\n\n" + "\n".join(lines))
 
 
 def machine() -> str:
@@ -246,6 +287,8 @@ are built and tested in every row; the CUDA kernels are built where torch's CUDA
 the local nvcc's (setup.py refuses a mismatch).
 
 {chr(10).join(rows)}
+
+{provenance(results)}
 
 {chr(10).join(notes)}
 """
