@@ -42,3 +42,20 @@ def test_hsdp_2d_mesh_clip_grad_norm_as_torch(results):
 
 def test_monitor_ordinary_step_one_scalar_all_reduce(results):
     _check(results, "monitor")
+
+
+def test_fsdp2_comm_benchmark_smoke():
+    """benchmarks/fsdp2_comm.py on a 1-layer GPT-2 shape set: gradfuse's total norm is one
+    functional all-reduce of 8 bytes, the per-parameter rows two non-functional ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fsdp2_comm.py"
+    out = subprocess.run([sys.executable, str(script), "--layers", "1"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines()
+            if line.startswith("| ")}
+    assert rows["gradfuse.clip_grad_norm_"].endswith("| 1 | 0 | 8 |"), out.stdout
+    assert rows["torch.nn.utils.clip_grad_norm_"].startswith("| torch.nn.utils.clip_grad_norm_ | 1 | 0 |")
+    assert rows["gradfuse.stats (per-parameter rows)"].endswith(f"| 0 | 2 | {16 * 64} |"), out.stdout
