@@ -11,9 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-test}
+PIP_EXTRA=()
 case "$MODE" in
   test) REQUIREMENTS=requirements-dev.txt ;;
-  demo) REQUIREMENTS=requirements-demo.txt ;;
+  # --no-compile: no .pyc for torch's thousands of modules now; the few the demo imports are
+  # compiled when first imported
+  demo) REQUIREMENTS=requirements-demo.txt; PIP_EXTRA=(--no-compile) ;;
   *) echo "usage: bash scripts/setup.sh [test|demo]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
@@ -23,7 +26,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "[setup] installing $REQUIREMENTS (torch 2.14.1 is several GB the first time)"
 # (this machine's pip config names local mirrors that may be absent; their warnings are noise)
-.venv/bin/python -m pip install -q --disable-pip-version-check -r "$REQUIREMENTS" \
+.venv/bin/python -m pip install -q --disable-pip-version-check ${PIP_EXTRA[@]+"${PIP_EXTRA[@]}"} -r "$REQUIREMENTS" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
 
 # What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load).
