@@ -71,7 +71,7 @@ def run(shapes, dtype, device, rounds):
     grads = make(shapes, dtype, device)
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype))
+        p = torch.nn.Parameter(torch.empty(g.shape, device=device, dtype=dtype))
         p.grad = g  # clip_grad_value_ clamps exactly these tensors
         params.append(p)
     nbytes = sum(g.numel() * g.element_size() for g in grads)
