@@ -111,8 +111,11 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round (untimed check)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shapes = workloads.gpt2_small(layers=1, d=64, vocab=500, ctx=32) if args.smoke else workloads.gpt2_small()
     rounds = 1 if args.smoke else args.rounds
