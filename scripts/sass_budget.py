@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import glob
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -48,7 +49,7 @@ BUDGET_ARCH = "sm_90"
 
 # Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode, Table>.
 _DTYPES = {"N3c108BFloat16E": ("bf16", 2), "N3c104HalfE": ("fp16", 2), "f": ("fp32", 4), "d": ("fp64", 8)}
-_STATS_KERNEL = re.compile(r"stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
+_STATS_KERNEL = re.compile(r"(?<!unit_)stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
 _MODES = {"0": "none", "1": "abs", "2": "pow"}
 _TABLE = re.compile(r"LaunchTableILi(\d+)E")
 _KERNEL = re.compile(r"gradfuse4cuda\d+(\w+?_kernel)I")
@@ -268,6 +269,83 @@ def resource_report(res: dict[str, Resources], kernels: list[KernelLoop], arch: 
     return "\n".join(lines)
 
 
+# ---- Issue 17: the clipping kernels' loops (clip_kernels.cuh). unit_scale_kernel must stay a
+# multiply and a store per element plus loop overhead; clamp_kernel reads and writes each element
+# once while accumulating its statistics. Their steady-state loop is the streaming loop (16-byte
+# loads AND 16-byte stores, holding no other) with the most loads per trip (the unrolled main
+# loop, not the remainder); the worst of the kernel's such loops is reported (the split path,
+# 256 threads per unit piece, and the packed path, a warp per unit, each have one).
+# The scale moves 2 x elem_bytes per element: the compute bound is ~28 instructions per 2-byte
+# element and ~56 per 4-byte one; the budget holds it to a multiply, a store and loop overhead.
+# The clamp (same traffic) also accumulates sum, squares, max |x|, zero / NaN / Inf / clamped counts.
+CLIP_BUDGET = {
+    "unit_scale_kernel": {"bf16": 4.0, "fp16": 4.0, "fp32": 3.0, "fp64": 3.0},
+    "clamp_kernel": {"bf16": 20.0, "fp16": 20.0, "fp32": 20.0},
+}
+_CLIP_KERNEL = re.compile(r"(unit_scale_kernel|clamp_kernel)I(N3c108BFloat16E|N3c104HalfE|f|d)")
+_STORE16 = re.compile(r"^(?:@!?U?P\w+\s+)?STG\.E\.128\b")
+
+
+@dataclasses.dataclass
+class ClipLoop:
+    kernel: str  # mangled name
+    kind: str  # unit_scale_kernel / clamp_kernel
+    dtype: str
+    elem_bytes: int
+    loop: Loop
+
+    @property
+    def elements(self) -> int:
+        return self.loop.loads16 * 16 // self.elem_bytes
+
+    @property
+    def per_element(self) -> float:
+        return self.loop.instructions / self.elements
+
+    @property
+    def table(self) -> str:
+        m = re.search(r"UnitLaunchTableILi(\d+)E", self.kernel)
+        return m.group(1) if m else "-"
+
+
+def clip_kernel_loops(sass: str) -> list[ClipLoop]:
+    """The steady-state loop of every unit_scale_kernel / clamp_kernel instantiation in `sass`;
+    raises when one has no loop of 16-byte loads and stores."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _CLIP_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(2)]
+        streaming = [lp for lp in loops(instructions) if lp.loads16 > 0
+                     and any(_STORE16.match(b) for b in instructions[lp.start:lp.end + 1])]
+        streaming = [lp for lp in streaming
+                     if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+        if not streaming:
+            raise ValueError(f"no loop of 16-byte loads and stores found in {name}")
+        most = max(lp.loads16 for lp in streaming)
+        worst = max((lp for lp in streaming if lp.loads16 == most), key=lambda lp: lp.instructions)
+        result.append(ClipLoop(name, m.group(1), dtype, elem_bytes, worst))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (k.kind, order.index(k.dtype), int(k.table) if k.table.isdigit() else 0))
+
+
+def clip_over_budget(kernels: list[ClipLoop]) -> list[ClipLoop]:
+    return [k for k in kernels if k.per_element > CLIP_BUDGET[k.kind].get(k.dtype, math.inf)]
+
+
+def clip_report(kernels: list[ClipLoop], arch: str) -> str:
+    lines = [f"clipping kernels' steady-state loop (16-byte loads and stores), {arch}",
+             f"{'kernel':<18}{'dtype':<6}{'table':>6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}"
+             f"{'budget':>8}"]
+    for k in kernels:
+        budget = CLIP_BUDGET[k.kind].get(k.dtype) if arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  ok" if k.per_element <= budget else "  OVER BUDGET")
+        lines.append(f"{k.kind:<18}{k.dtype:<6}{k.table:>6}{k.loop.instructions:>11}{k.elements:>11}"
+                     f"{k.per_element:>11.2f}{'' if budget is None else f'{budget:g}':>8}{flag}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
@@ -278,7 +356,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         binary = Path(args.binary) if args.binary else default_binary()
-        kernels = stats_kernel_loops(disassemble(binary, args.arch))
+        sass = disassemble(binary, args.arch)
+        kernels = stats_kernel_loops(sass)
+        clip_kernels = clip_kernel_loops(sass)  # issue 17
         res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
@@ -290,8 +370,15 @@ def main(argv=None) -> int:
     if res is not None:
         print()
         print(resource_report(res, kernels, args.arch))
+    if clip_kernels:
+        print()
+        print(clip_report(clip_kernels, args.arch))
     if args.arch == BUDGET_ARCH and over_budget(kernels):
         print("over budget: " + ", ".join(sorted({k.dtype for k in over_budget(kernels)})), file=sys.stderr)
+        return 1
+    if args.arch == BUDGET_ARCH and clip_over_budget(clip_kernels):
+        print("over budget: " + ", ".join(sorted({f"{k.kind} {k.dtype}" for k in clip_over_budget(clip_kernels)})),
+              file=sys.stderr)
         return 1
     return 0
 

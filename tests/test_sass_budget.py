@@ -95,3 +95,51 @@ def test_built_stats_kernels_within_instruction_budget():
     assert found == sorted((d, m, t) for d in ("bf16", "fp16", "fp32", "fp64") for m in ("none", "abs", "pow")
                            for t in ("64", "1280")), "one instantiation per dtype, norm mode and table size"
     assert not sass_budget.over_budget(kernels), report
+
+
+# ---- Issue 17: the clipping kernels (clip_kernels.cuh)
+SCALE_FP32 = "_ZN8gradfuse4cuda17unit_scale_kernelIfNS0_15UnitLaunchTableILi64EEEEvT0_PKfb"
+
+
+def test_clip_loop_is_the_unrolled_load_store_loop():
+    sass = fake_sass(SCALE_FP32, """
+        S2R R0, SR_TID.X
+        LDG.E.128 R4, desc[UR4][R2.64]
+        LDG.E.128 R8, desc[UR4][R2.64+0x1000]
+        FMUL R4, R4, R20
+        FMUL R8, R8, R20
+        STG.E.128 desc[UR4][R2.64], R4
+        STG.E.128 desc[UR4][R2.64+0x1000], R8
+        IADD3 R2, R2, 0x2000, RZ
+        @P0 BRA @1
+        LDG.E.128 R4, desc[UR4][R2.64]
+        FMUL R4, R4, R20
+        STG.E.128 desc[UR4][R2.64], R4
+        @P1 BRA @9
+        LDG.E.128 R4, desc[UR4][R2.64]
+        FADD R9, R4, R9
+        @P1 BRA @13
+        EXIT
+    """)
+    (k,) = sass_budget.clip_kernel_loops(sass)
+    assert (k.kind, k.dtype, k.table) == ("unit_scale_kernel", "fp32", "64")
+    assert (k.loop.start, k.loop.end, k.loop.loads16, k.elements, k.per_element) == (1, 8, 2, 8, 1.0)
+    assert not sass_budget.clip_over_budget([k])
+    with pytest.raises(ValueError, match="no loop of 16-byte loads and stores"):
+        sass_budget.clip_kernel_loops(fake_sass(SCALE_FP32, "LDG.E.128 R4, desc[UR4][R2.64]\n@P0 BRA @0\nEXIT"))
+
+
+def test_built_clip_kernels_within_instruction_budget():
+    if not _ext._has_kernel("cuda"):
+        pytest.skip("gradfuse._C built without CUDA kernels")
+    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+        pytest.skip("the budget is defined for sm_90, which this build does not include")
+    kernels = sass_budget.clip_kernel_loops(sass_budget.disassemble(_ext._C.__file__, "sm_90"))
+    report = sass_budget.clip_report(kernels, "sm_90")
+    print(report)
+    found = sorted((k.kind, k.dtype, k.table) for k in kernels)
+    assert found == sorted((kind, d, t) for kind in ("unit_scale_kernel", "clamp_kernel")
+                           for d in ("bf16", "fp16", "fp32", "fp64") for t in ("64", "512")), report
+    assert not sass_budget.clip_over_budget(kernels), report
+    scale = {k.dtype: k.per_element for k in kernels if k.kind == "unit_scale_kernel"}
+    assert scale["fp32"] <= 2.0 and scale["bf16"] <= 4.0, report  # a multiply and a store per element
