@@ -18,6 +18,7 @@
 
 #define GRADFUSE_LAUNCH(kernel, grid, block, stream, ...) ::cuda_emu::launch(kernel, grid, block, __VA_ARGS__)
 #include "cuda/stats_ops.h"
+#include "cuda/hist_ops.h"
 
 namespace gradfuse::cuda {
 namespace {
@@ -36,6 +37,10 @@ struct Emulated {
     return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), opts);
   }
 };
+
+at::Tensor emulated_exponent_histogram(at::TensorList tensors) {
+  return multi_tensor_exponent_histogram_on<Emulated>(tensors, "gradfuse_emu.multi_tensor_exponent_histogram");
+}
 
 }  // namespace
 }  // namespace gradfuse::cuda
@@ -116,6 +121,7 @@ at::Tensor run(const std::string& name) {
 TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
+  m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
   m.def("selftest(str name) -> Tensor", &selftest::run);
   m.def("max_tensors_per_launch() -> int", []() -> int64_t { return gradfuse::cuda::kMaxTensorsPerLaunch; });
 }
@@ -123,4 +129,5 @@ TORCH_LIBRARY(gradfuse_emu, m) {
 TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_stats", &gradfuse::cuda::multi_tensor_stats_on<gradfuse::cuda::Emulated>);
   m.impl("multi_tensor_scale_", &gradfuse::cuda::multi_tensor_scale_on<gradfuse::cuda::Emulated>);
+  m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::emulated_exponent_histogram);
 }
