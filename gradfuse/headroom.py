@@ -139,3 +139,32 @@ def table(names: list[str], columns: dict[str, torch.Tensor], scaled: bool = Fal
             cells.append(f"  {f'{u:.2f}/{s:.2f}/{o:.2f}':>24}")
         lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
+
+
+def layer_record(names: list[str], hist: torch.Tensor, columns: dict[str, torch.Tensor],
+                 depth: int | None = None) -> tuple[dict, dict]:
+    """Per layer (``gradfuse.grad_stats.layer_of``): ({layer: {column: fraction}} weighted by
+    element counts, {layer: {"first_bin": b, "counts": [...]}}, the summed exponent histogram
+    without its empty ends), for a monitor record; one device-to-host transfer."""
+    from gradfuse.grad_stats import layer_of
+    if not names:
+        return {}, {}
+    keys = list(columns)
+    numel = hist.sum(1, keepdim=True).to(torch.float64)
+    packed = torch.cat([hist.to(torch.float64), numel, torch.stack([columns[k] for k in keys], 1) * numel], 1)
+    rows = packed.cpu().tolist()
+    sums: dict[str, list[float]] = {}
+    for name, row in zip(names, rows):
+        acc = sums.setdefault(layer_of(name, depth), [0.0] * len(row))
+        for i, v in enumerate(row):
+            acc[i] += v
+    frac, exps = {}, {}
+    nb = H.NUM_BINS
+    for layer, acc in sums.items():
+        n = max(acc[nb], 1.0)
+        frac[layer] = {k: acc[nb + 1 + i] / n for i, k in enumerate(keys)}
+        counts = [int(v) for v in acc[:nb]]
+        nz = [i for i, c in enumerate(counts) if c]
+        first, last = (nz[0], nz[-1]) if nz else (0, -1)
+        exps[layer] = {"first_bin": first, "counts": counts[first:last + 1]}
+    return frac, exps

@@ -235,3 +235,35 @@ def test_amax_scale_follows_transformer_engine():
     f = headroom.FORMATS["fp8_e4m3"]
     amax = torch.tensor([2.0, 0.0, math.inf, math.nan, 448.0])
     assert headroom.amax_scale(amax, f).tolist() == [224.0, 1.0, 1.0, 1.0, 1.0]
+
+
+# ----- the monitor and the picture
+
+
+def test_monitor_histogram_on_logging_steps(tmp_path):
+    from gradfuse.sinks import metrics, read_jsonl
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    path = tmp_path / "run.jsonl"
+    mon = gradfuse.GradMonitor(model, every=5, histogram=True, sinks=[gradfuse.JsonlSink(path)])
+    for _ in range(11):
+        x = torch.randn(16, 32)
+        (model(x) - x[:, :1]).square().mean().backward()
+        mon.step()
+        if mon.step_count == 11:
+            expect = {n: frexp_histogram(p.grad) for n, p in model.named_parameters()}
+        model.zero_grad()
+    records = read_jsonl(path)
+    assert [r["step"] for r in records] == [0, 5, 10]
+    last = records[-1]
+    assert set(last["exponents"]) == {"0", "2"}
+    e = last["exponents"]["0"]
+    counts = torch.zeros(H.NUM_BINS, dtype=torch.int64)
+    counts[e["first_bin"]:e["first_bin"] + len(e["counts"])] = torch.tensor(e["counts"])
+    assert counts.tolist() == (expect["0.weight"] + expect["0.bias"]).tolist()
+    m = metrics(last)
+    assert 0 < m["headroom/0/fp8_e4m3_underflow"] + m["headroom/0/fp8_e4m3_subnormal"] <= 1
+    assert m["headroom/0/fp8_e4m3_overflow_scaled"] == 0
+    from gradfuse.plot import plot_gradflow
+    plot_gradflow(path, tmp_path / "flow.png")
+    assert (tmp_path / "flow_exponents.png").stat().st_size > 10_000
