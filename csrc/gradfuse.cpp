@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "common/chunk_plan.h"
+#include "common/hist_math.h"
 #include "cpu/cpu_capability.h"
 #include "generated/build_config.h"  // written by setup.py
 
@@ -26,6 +27,12 @@ TORCH_LIBRARY(gradfuse, m) {
   // Clamps to [-clip_value, clip_value] in place in one pass, as clip_grad_value_; returns the
   // stats rows (norm_type 2) of the values before, and int64 [n]: the elements changed.
   m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float clip_value) -> (Tensor, Tensor, Tensor)");
+  // Per tensor of one (device, dtype) group: int64 [n, 283], how many elements fall in each bin
+  // of binary exponents (common/hist_math.h): bin 0 finite non-zero |x| < 2^-149 (float64 only),
+  // 1 zeros, 2 + (e + 149) floor(log2|x|) == e for e in [-149, 127], 279 finite |x| >= 2^128
+  // (float64 only), 280 +Inf, 281 -Inf, 282 NaN. Exponents from the bits; one pass (a second
+  // over chunks holding zeros, subnormals or non-finite values); no host synchronisation.
+  m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -40,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["with_cuda"] = false;
 #endif
     d["chunk_elems"] = gradfuse::kChunkElems;
+    d["histogram_bins"] = gradfuse::kNumHistBins;
     d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
     return d;
   });

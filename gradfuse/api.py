@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from gradfuse import distributed, ops, sharded, slow_paths
+from gradfuse import histogram as histogram_module
 from gradfuse.grad_stats import GradStats
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUMSQ, ZERO
 
@@ -257,7 +258,7 @@ def _root(acc: torch.Tensor, p: float) -> torch.Tensor:
     return acc.pow(1.0 / p)
 
 
-def stats(source: Source, *, norm_type: float = 2.0, group=None) -> GradStats:
+def stats(source: Source, *, norm_type: float = 2.0, group=None, histogram: bool = False) -> GradStats:
     """Statistics of the gradients of ``source``, in one fused pass per (device, dtype).
 
     ``source`` is an ``nn.Module``, a tensor, an iterable of parameters, or an iterable of
@@ -273,19 +274,24 @@ def stats(source: Source, *, norm_type: float = 2.0, group=None) -> GradStats:
     DTensor gradients (FSDP2, tensor parallel) give the statistics of the full gradients. With
     ``group`` (a process group of ranks holding different parameters, e.g. pipeline stages) the
     total norm and ``nonfinite`` cover the group, and the rows this rank's parameters.
+
+    ``histogram=True`` adds a second fused pass: ``exponent_histogram`` (int64 [n, 283] on the
+    device, see :mod:`gradfuse.histogram`) and ``headroom`` (see :mod:`gradfuse.headroom`).
     """
     p = _check_norm_type(norm_type)
     names, _params, grads = _named_grads(source)
-    return _fused_stats(names, grads, p, group)
+    s = _fused_stats(names, grads, p, group)
+    return histogram_module.attach(s, names, grads) if histogram else s
 
 
 def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torch.Tensor], *,
-                 norm_type: float = 2.0) -> GradStats:
+                 norm_type: float = 2.0, histogram: bool = False) -> GradStats:
     """The same statistics for arbitrary tensors (activations, weights, ...).
 
     ``tensors`` is a tensor, an iterable of tensors (named ``[i]``) or a dict name -> tensor.
     The total norm is that of all elements viewed as one vector: for ``norm_type=0`` the number
     of non-zero elements (gradient statistics count gradients with one, as torch.nn.utils).
+    ``histogram=True``: also the exponent histogram and headroom columns, as :func:`stats`.
     """
     p = _check_norm_type(norm_type)
     if isinstance(tensors, torch.Tensor):
@@ -294,8 +300,9 @@ def tensor_stats(tensors: torch.Tensor | Iterable[torch.Tensor] | dict[str, torc
         items = list(tensors.items())
     else:
         items = [(f"[{i}]", t) for i, t in enumerate(tensors)]
-    return _fused_stats([n for n, _ in items], [t.detach() for _, t in items], p, what="tensor",
-                        elementwise_zero_norm=True)
+    names, detached = [n for n, _ in items], [t.detach() for _, t in items]
+    s = _fused_stats(names, detached, p, what="tensor", elementwise_zero_norm=True)
+    return histogram_module.attach(s, names, detached) if histogram else s
 
 
 def _check_max_norm(max_norm) -> float:

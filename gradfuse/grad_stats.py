@@ -51,6 +51,9 @@ class GradStats:
     rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
     """
 
+    # int64 [n, 283] exponent histogram per row (gradfuse.histogram), with histogram=True
+    exponent_histogram: torch.Tensor | None = None
+
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
                  norm_type: float, total_norm: torch.Tensor,
                  clip_coef: torch.Tensor | None = None, max_norm: float | None = None,
@@ -83,7 +86,9 @@ class GradStats:
                     max_norm=self.max_norm, group_nonfinite=self._group_nonfinite,
                     dtensor_spec=self._dtensor_spec, pending_rows=self._pending_rows)
         args.update(changes)
-        return GradStats(**args)
+        out = GradStats(**args)
+        out.exponent_histogram = self.exponent_histogram
+        return out
 
     def __len__(self) -> int:
         return len(self.names)
@@ -147,6 +152,24 @@ class GradStats:
         if self.clip_coef is None:
             return None
         return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
+
+    @_derived
+    def headroom(self) -> dict[str, torch.Tensor] | None:
+        """With ``histogram=True``: {column: float64 [n] on the device}, per format (fp16, bf16,
+        fp8_e4m3, fp8_e5m2) the fraction of each row's elements that would underflow to zero,
+        become subnormal or overflow, unscaled and with TransformerEngine's amax scaling
+        (``_scaled``); see :mod:`gradfuse.headroom`. None without a histogram."""
+        if self.exponent_histogram is None:
+            return None
+        from gradfuse import headroom
+        return headroom.headroom_columns(self.exponent_histogram, self.linf)
+
+    def headroom_dict(self) -> dict[str, dict[str, float]]:
+        """:attr:`headroom` as {name: {column: value}}, read in one transfer."""
+        from gradfuse import headroom
+        if self.headroom is None:
+            raise ValueError("no exponent histogram: take the stats with histogram=True")
+        return headroom.to_host(self.names, self.headroom)
 
     def norm(self, norm_type: float | None = None) -> torch.Tensor:
         """Per-parameter norm of order ``norm_type`` (default: this object's), float64, as

@@ -117,6 +117,11 @@ class GradMonitor:
         enabled: False turns the monitor off: :meth:`step` then does nothing at all.
         start_step: the first step number. A resumed run restores it (and the counters) with
             :meth:`load_state_dict`.
+        histogram: on logging steps also the per-layer exponent histogram (record key
+            ``exponents``) and numeric headroom for fp16 / bf16 / fp8 (``headroom``; metrics
+            ``headroom/<layer>/<column>``), of the gradients as the optimizer gets them (after
+            unscaling and clipping): two more fused passes on logging steps only
+            (see :mod:`gradfuse.headroom`).
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -128,7 +133,7 @@ class GradMonitor:
                  every: int = 100, on_nonfinite: str = "skip",
                  explode_threshold: float | None = None, on_explode: str = "skip",
                  sinks=(), layer_depth: int | None = None, scaler=None, optimizer=None,
-                 enabled: bool = True, start_step: int = 0):
+                 enabled: bool = True, start_step: int = 0, histogram: bool = False):
         for name, value in (("on_nonfinite", on_nonfinite), ("on_explode", on_explode)):
             if value not in POLICIES:
                 raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
@@ -157,6 +162,7 @@ class GradMonitor:
             [] if isinstance(model, torch.Tensor) else model)
         self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
         self.enabled = enabled
+        self.histogram = histogram  # exponent histograms and headroom on logging steps
         self.step_count = start_step
         self.skipped_steps = 0
         self.anomaly_steps = 0
@@ -327,7 +333,16 @@ class GradMonitor:
             "counters": self.counters(),
             "params": d["params"],
             "layers": report.stats.layers(self.layer_depth),
+            **(self._headroom_fields() if self.histogram else {}),
         }
+
+    def _headroom_fields(self) -> dict:
+        from gradfuse import headroom
+        from gradfuse.api import _named_grads, tensor_stats
+        names, _params, grads = _named_grads(self.source)
+        h = tensor_stats(dict(zip(names, grads)), histogram=True)
+        frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, self.layer_depth)
+        return {"headroom": frac, "exponents": exps}
 
     def _write(self, report: StepReport, event: bool) -> None:
         if self.sinks:

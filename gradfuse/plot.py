@@ -16,7 +16,81 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dp
     import matplotlib.pyplot as plt
     fig.savefig(out_path, dpi=dpi)
     plt.close(fig)
+    if any("exponents" in r for r in records):  # GradMonitor(histogram=True): a second picture
+        root, ext = os.path.splitext(os.fspath(out_path))
+        fig = exponent_figure(records)
+        fig.savefig(f"{root}_exponents{ext or '.png'}", dpi=dpi)
+        plt.close(fig)
     return os.fspath(out_path)
+
+
+def exponent_figure(records: list[dict], max_layers: int = 16):
+    """Per layer, the share of gradient elements per binary exponent (y) over the logged steps
+    (x), log colour (fastai's "colorful dimension"), with the smallest normal and subnormal of
+    fp16 and fp8 e4m3 / e5m2 as lines: mass below a line underflows in that format unscaled.
+    From the ``exponents`` of GradMonitor(histogram=True) records; zeros, Inf and NaN are left
+    out of the picture."""
+    matplotlib = _require("matplotlib", "matplotlib", "plot_gradflow")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    import numpy as np
+
+    from gradfuse import histogram as H
+
+    by_step = {r["step"]: r for r in records if "exponents" in r}
+    records = [by_step[k] for k in sorted(by_step)]
+    steps = np.array([r["step"] for r in records])
+    layers = list(dict.fromkeys(name for r in records for name in r["exponents"]))[:max_layers]
+    grids, lo_bin, hi_bin = [], H.BIN_ABOVE, 2
+    for name in layers:
+        g = np.zeros((H.NUM_BINS, len(records)))
+        for j, r in enumerate(records):
+            e = r["exponents"].get(name)
+            if e:
+                g[e["first_bin"]:e["first_bin"] + len(e["counts"]), j] = e["counts"]
+        g[[H.BIN_ZERO, H.BIN_POS_INF, H.BIN_NEG_INF, H.BIN_NAN], :] = 0
+        total = g.sum(0, keepdims=True)
+        g = np.divide(g, total, out=np.zeros_like(g), where=total > 0)
+        rows = np.nonzero(g.sum(1))[0]
+        if rows.size:
+            lo_bin, hi_bin = min(lo_bin, rows[0]), max(hi_bin, rows[-1])
+        grids.append(g)
+    lo_bin, hi_bin = max(min(lo_bin, H.bin_of_exponent(-26)), 2), min(max(hi_bin, lo_bin + 1), H.BIN_ABOVE)
+    cols = min(4, max(len(layers), 1))
+    nrows = -(-max(len(layers), 1) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows + 0.6), squeeze=False,
+                             sharex=True, sharey=True)
+    if len(steps) > 1:
+        mid = (steps[1:] + steps[:-1]) / 2
+        x_edges = np.concatenate([[steps[0]], mid, [steps[-1]]])
+    else:
+        x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    y_edges = np.arange(lo_bin, hi_bin + 2) - H.EXPONENT_OFFSET - 0.5
+    norm = LogNorm(vmin=1e-5, vmax=1)
+    lines = [(-14, "fp16 normal", "tab:red", "--"), (-24, "fp16 subnormal", "tab:red", ":"),
+             (-6, "e4m3 normal", "tab:orange", "--"), (-9, "e4m3 subnormal", "tab:orange", ":"),
+             (-16, "e5m2 subnormal", "tab:purple", ":")]
+    im = None
+    for k, ax in enumerate(axes.flat):
+        if k >= len(layers):
+            ax.set_visible(False)
+            continue
+        g = grids[k][lo_bin:hi_bin + 1]
+        im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_less_equal(g, 0), norm=norm, cmap="viridis")
+        for e, label, color, style in lines:
+            if y_edges[0] <= e <= y_edges[-1]:
+                ax.axhline(e, color=color, ls=style, lw=0.8, label=label)
+        ax.set_title(layers[k], fontsize=8)
+        if k % cols == 0:
+            ax.set_ylabel("floor(log2|g|)")
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="share of elements")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)
+    fig.suptitle("gradient exponents per layer over steps (bins of gradfuse.histogram)", fontsize=10)
+    return fig
 
 
 def gradflow_figure(records: list[dict]):

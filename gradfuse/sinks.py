@@ -139,6 +139,9 @@ def metrics(record: dict) -> dict[str, float]:
         m[f"grad_l2/{layer}"] = a["l2"]
         m[f"grad_zero_fraction/{layer}"] = a["zero_fraction"]
         m[f"grad_nonfinite/{layer}"] = float(a["nan_count"] + a["inf_count"])
+    for layer, columns in record.get("headroom", {}).items():  # GradMonitor(histogram=True)
+        for column, value in columns.items():
+            m[f"headroom/{layer}/{column}"] = value
     return m
 
 

@@ -202,6 +202,55 @@ def stats_kernel_loops(sass: str) -> list[KernelLoop]:
     return sorted(result, key=lambda k: (order.index(k.dtype), k.mode, int(k.table) if k.table.isdigit() else 0))
 
 
+# The exponent-histogram kernel (issue 19): hist_kernel<scalar_t, Table>. Its pass-1 loop adds
+# one shared atomic (ATOMS) per element; pass 2 (zeros, subnormals, Inf/NaN only) adds two. The
+# steady-state loop: among innermost loops of 16-byte loads, those with exactly one ATOMS per
+# element, the most loads per trip, then the most instructions. Same budgets as the stats
+# kernel (memory-bound on an H200 with a margin); fp64 is reported when found, unbudgeted.
+HIST_BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
+_HIST_KERNEL = re.compile(r"hist_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)N")
+_ATOMS = re.compile(r"^(?:@!?U?P\w+\s+)?ATOMS\b")
+
+
+def hist_kernel_loops(sass: str) -> list[KernelLoop]:
+    """The pass-1 loop of every hist_kernel instantiation (mode "hist"); raises when a 2- or
+    4-byte instantiation has none (the rule above no longer describes the kernel)."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _HIST_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(1)]
+        streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
+        inner = [lp for lp in streaming
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+        pass1 = [lp for lp in inner if sum(bool(_ATOMS.match(b)) for b in instructions[lp.start:lp.end + 1])
+                 == lp.loads16 * 16 // elem_bytes]
+        loop = max(pass1, key=lambda lp: (lp.loads16, lp.instructions), default=None)
+        if loop is None:
+            if dtype == "fp64":
+                continue
+            raise ValueError(f"no pass-1 loop (16-byte loads, one ATOMS per element) found in {name}")
+        result.append(KernelLoop(name, dtype, "hist", elem_bytes, loop))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (order.index(k.dtype), int(k.table) if k.table.isdigit() else 0))
+
+
+def hist_over_budget(kernels: list[KernelLoop]) -> list[KernelLoop]:
+    return [k for k in kernels if k.dtype in HIST_BUDGET and k.per_element > HIST_BUDGET[k.dtype]]
+
+
+def hist_report(kernels: list[KernelLoop], arch: str) -> str:
+    lines = [f"hist_kernel pass-1 loop, {arch}",
+             f"{'dtype':<6}{'table':>6}{'instr/trip':>11}{'elems/trip':>11}{'instr/elem':>11}{'budget':>8}"]
+    for k in kernels:
+        budget = HIST_BUDGET.get(k.dtype) if arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  ok" if k.per_element <= budget else "  OVER BUDGET")
+        lines.append(f"{k.dtype:<6}{k.table:>6}{k.loop.instructions:>11}{k.elements:>11}"
+                     f"{k.per_element:>11.2f}{'' if budget is None else f'{budget:g}':>8}{flag}")
+    return "\n".join(lines)
+
+
 def resources(binary: os.PathLike, arch: str = BUDGET_ARCH) -> dict[str, Resources]:
     """{mangled kernel name: Resources} from cuobjdump -res-usage and the ELF's parameter info."""
     usage = {}
@@ -359,6 +408,7 @@ def main(argv=None) -> int:
         sass = disassemble(binary, args.arch)
         kernels = stats_kernel_loops(sass)
         clip_kernels = clip_kernel_loops(sass)  # issue 17
+        hist_kernels = hist_kernel_loops(sass)
         res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
@@ -367,6 +417,9 @@ def main(argv=None) -> int:
         print(f"sass_budget: no {args.arch} stats_kernel in {binary}", file=sys.stderr)
         return 2
     print(report(kernels, args.arch))
+    if hist_kernels:
+        print()
+        print(hist_report(hist_kernels, args.arch))
     if res is not None:
         print()
         print(resource_report(res, kernels, args.arch))
@@ -378,6 +431,10 @@ def main(argv=None) -> int:
         return 1
     if args.arch == BUDGET_ARCH and clip_over_budget(clip_kernels):
         print("over budget: " + ", ".join(sorted({f"{k.kind} {k.dtype}" for k in clip_over_budget(clip_kernels)})),
+              file=sys.stderr)
+        return 1
+    if args.arch == BUDGET_ARCH and hist_over_budget(hist_kernels):
+        print("hist_kernel over budget: " + ", ".join(sorted({k.dtype for k in hist_over_budget(hist_kernels)})),
               file=sys.stderr)
         return 1
     return 0

@@ -52,3 +52,14 @@ def test_host_cost_script(capsys):
     for call in ("clip_grad_norm_(foreach=True)", "watch(named).clip_()", "GradMonitor.step() (module)",
                  "gradfuse.clip_(module)"):
         assert f"| {call} |" in out
+
+
+def test_hist_bench_script(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import hist_bench
+    finally:
+        sys.path.pop(0)
+    assert hist_bench.main(["--small", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| histogram (multi_tensor_exponent_histogram) |" in out and "gpt2_small bfloat16" in out

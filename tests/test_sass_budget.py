@@ -143,3 +143,32 @@ def test_built_clip_kernels_within_instruction_budget():
     assert not sass_budget.clip_over_budget(kernels), report
     scale = {k.dtype: k.per_element for k in kernels if k.kind == "unit_scale_kernel"}
     assert scale["fp32"] <= 2.0 and scale["bf16"] <= 4.0, report  # a multiply and a store per element
+
+
+# ---- Issue 19: the exponent histogram kernel (hist_kernels.cuh)
+HIST_BF16 = "_ZN8gradfuse4cuda11hist_kernelIN3c108BFloat16ENS0_11LaunchTableILi64EEEEEvT0_Pl"
+
+
+def test_hist_finds_pass_one_loop_not_pass_two():
+    # pass 1: 1 load (8 bf16) and 8 ATOMS; pass 2: 1 load and 16 ATOMS (2 per element).
+    pass1 = "LDG.E.128 R4, desc[UR4][R2.64]\n" + "SHF.R.U32.HI R8, RZ, 0x7, R4\nATOMS.ADD RZ, [R8], R9\n" * 8
+    pass2 = "LDG.E.128 R4, desc[UR4][R2.64]\n" + "ATOMS.ADD RZ, [R8], R9\n" * 16
+    sass = fake_sass(HIST_BF16, pass1 + "@P0 BRA @0\n" + pass2 + "@P1 BRA @18\nEXIT")
+    (k,) = sass_budget.hist_kernel_loops(sass)
+    assert (k.dtype, k.mode, k.loop.start, k.loop.instructions, k.elements) == ("bf16", "hist", 0, 18, 8)
+    assert k.per_element == 18 / 8 and not sass_budget.hist_over_budget([k])
+    with pytest.raises(ValueError, match="no pass-1 loop"):
+        sass_budget.hist_kernel_loops(fake_sass(HIST_BF16, pass2 + "@P1 BRA @0\nEXIT"))
+
+
+def test_built_hist_kernels_within_instruction_budget():
+    if not _ext._has_kernel("cuda"):
+        pytest.skip("gradfuse._C built without CUDA kernels")
+    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+        pytest.skip("the budget is defined for sm_90, which this build does not include")
+    kernels = sass_budget.hist_kernel_loops(sass_budget.disassemble(_ext._C.__file__, "sm_90"))
+    report = sass_budget.hist_report(kernels, "sm_90")
+    print(report)
+    assert sorted((k.dtype, k.table) for k in kernels) == sorted(
+        (d, t) for d in ("bf16", "fp16", "fp32") for t in ("64", "1280"))
+    assert not sass_budget.hist_over_budget(kernels), report

@@ -19,6 +19,7 @@
 #define GRADFUSE_LAUNCH(kernel, grid, block, stream, ...) ::cuda_emu::launch(kernel, grid, block, __VA_ARGS__)
 #include "cuda/stats_ops.h"
 #include "cuda/clip_ops.h"  // issue 17: the clipping ops
+#include "cuda/hist_ops.h"
 
 namespace gradfuse::cuda {
 namespace {
@@ -44,6 +45,9 @@ struct EmulatedClip : Emulated {
   static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
   static constexpr const char* kClampOp = "gradfuse_emu.multi_tensor_clamp_";
 };
+at::Tensor emulated_exponent_histogram(at::TensorList tensors) {
+  return multi_tensor_exponent_histogram_on<Emulated>(tensors, "gradfuse_emu.multi_tensor_exponent_histogram");
+}
 
 }  // namespace
 }  // namespace gradfuse::cuda
@@ -124,6 +128,7 @@ at::Tensor run(const std::string& name) {
 TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
+  m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
   m.def("selftest(str name) -> Tensor", &selftest::run);
   m.def("max_tensors_per_launch() -> int", []() -> int64_t { return gradfuse::cuda::kMaxTensorsPerLaunch; });
   // Issue 17: the clipping ops and their launch-table sizes.
@@ -141,4 +146,5 @@ TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_unit_stats", &gradfuse::cuda::multi_tensor_unit_stats_on<gradfuse::cuda::EmulatedClip>);
   m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<gradfuse::cuda::EmulatedClip>);
   m.impl("multi_tensor_clamp_", &gradfuse::cuda::multi_tensor_clamp_on<gradfuse::cuda::EmulatedClip>);
+  m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::emulated_exponent_histogram);
 }
