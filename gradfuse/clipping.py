@@ -629,7 +629,8 @@ def double_clip_message(call: str, name: str) -> str:
             "(torch.nn.utils.clip_grad_norm_ / clip_grad_value_, a framework's gradient "
             "clipping, accelerator.clip_grad_norm_). Clipping twice shrinks every update. Hand "
             "clipping to gradfuse: remove the other call and pass max_norm= (or per=, "
-            "clip_value=, agc=, a ZClip) to gradfuse. (This warning is shown once.)")
+            "clip_value=, agc=, a ZClip) to gradfuse. If the change was meant (your own gradient "
+            "scaling), pass check_double_clip=False. (This warning is shown once.)")
 
 
 # ---------------------------------------------------------------------------------------------
