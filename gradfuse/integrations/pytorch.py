@@ -114,6 +114,7 @@ class Attachment:
         fused = scaler is not None and len(optimizers) == 1
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
                                    **monitor_kwargs)
+        self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
         self.last_report: StepReport | None = None
         self._skip = False
         self._pending: set[int] = set()  # optimizers still to step under the current decision
