@@ -552,6 +552,21 @@ def check_max_norm_arg(max_norm):
     return api._check_max_norm(max_norm)
 
 
+def describe_mode(max_norm, monitor_kwargs: dict) -> str | None:
+    """How an integration's own clipping is configured, in words (None: not at all)."""
+    if monitor_kwargs.get("clip_value") is not None:
+        return f"clip_value={monitor_kwargs['clip_value']:g}"
+    if monitor_kwargs.get("agc") is not None:
+        return f"agc={monitor_kwargs['agc']:g}"
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, ZClip):
+        return repr(max_norm)
+    if callable(max_norm):
+        return "a max_norm schedule"
+    return f"max_norm={float(max_norm):g}"
+
+
 class ScheduleError(ValueError):
     """A ``max_norm`` schedule returned a bad value (NaN, negative, not a number) or raised."""
 
