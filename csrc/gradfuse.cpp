@@ -17,6 +17,15 @@ TORCH_LIBRARY(gradfuse, m) {
   // conditional=True (clipping) only when coef < 1 or NaN, touching no memory otherwise; the
   // decision is taken on the device. conditional=False always multiplies (AMP unscale + clip).
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
+  // Issue 17 (clipping beyond one global norm): tensor i as units[i] equal consecutive blocks
+  // (common/unit_plan.h). Rows of multi_tensor_stats per unit, [sum(units), 4] each.
+  m.def("multi_tensor_unit_stats(Tensor[] tensors, int[] units, float norm_type) -> (Tensor, Tensor)");
+  // Unit j of tensor i times its coefficient (coefs: 1-D, sum(units) entries, on the device);
+  // conditional: a unit whose coefficient is >= 1 is not touched (decided on the device).
+  m.def("multi_tensor_unit_scale_(Tensor(a!)[] tensors, int[] units, Tensor coefs, bool conditional=True) -> ()");
+  // Clamps to [-clip_value, clip_value] in place in one pass, as clip_grad_value_; returns the
+  // stats rows (norm_type 2) of the values before, and int64 [n]: the elements changed.
+  m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float clip_value) -> (Tensor, Tensor, Tensor)");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

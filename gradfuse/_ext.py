@@ -164,3 +164,27 @@ if _C is not None:
     @torch.library.register_fake("gradfuse::multi_tensor_scale_")
     def _scale_fake(tensors, coef, conditional=True):
         return None
+
+    # Issue 17: the clipping ops (a build from before them has no schemas for them).
+    if hasattr(torch.ops.gradfuse, "multi_tensor_clamp_"):
+        @torch.library.register_fake("gradfuse::multi_tensor_unit_stats")
+        def _unit_stats_fake(tensors, units, norm_type):
+            rows = sum(units)
+            if len(tensors) == 0:
+                return (torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64))
+            return (tensors[0].new_empty((rows, 4), dtype=torch.float64),
+                    tensors[0].new_empty((rows, 4), dtype=torch.int64))
+
+        @torch.library.register_fake("gradfuse::multi_tensor_unit_scale_")
+        def _unit_scale_fake(tensors, units, coefs, conditional=True):
+            return None
+
+        @torch.library.register_fake("gradfuse::multi_tensor_clamp_")
+        def _clamp_fake(tensors, clip_value):
+            n = len(tensors)
+            if n == 0:
+                return (torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64),
+                        torch.empty((0,), dtype=torch.int64))
+            return (tensors[0].new_empty((n, 4), dtype=torch.float64),
+                    tensors[0].new_empty((n, 4), dtype=torch.int64),
+                    tensors[0].new_empty((n,), dtype=torch.int64))

@@ -18,6 +18,7 @@
 
 #define GRADFUSE_LAUNCH(kernel, grid, block, stream, ...) ::cuda_emu::launch(kernel, grid, block, __VA_ARGS__)
 #include "cuda/stats_ops.h"
+#include "cuda/clip_ops.h"  // issue 17: the clipping ops
 
 namespace gradfuse::cuda {
 namespace {
@@ -35,6 +36,13 @@ struct Emulated {
     if (opts.dtype() == at::kLong) return at::full(sizes, int64_t{0x7a7a7a7a7a7a7a7a}, opts);
     return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), opts);
   }
+};
+
+// Issue 17: the clipping ops on the same emulated device.
+struct EmulatedClip : Emulated {
+  static constexpr const char* kUnitStatsOp = "gradfuse_emu.multi_tensor_unit_stats";
+  static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
+  static constexpr const char* kClampOp = "gradfuse_emu.multi_tensor_clamp_";
 };
 
 }  // namespace
@@ -118,9 +126,19 @@ TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
   m.def("selftest(str name) -> Tensor", &selftest::run);
   m.def("max_tensors_per_launch() -> int", []() -> int64_t { return gradfuse::cuda::kMaxTensorsPerLaunch; });
+  // Issue 17: the clipping ops and their launch-table sizes.
+  m.def("multi_tensor_unit_stats(Tensor[] tensors, int[] units, float norm_type) -> (Tensor, Tensor)");
+  m.def("multi_tensor_unit_scale_(Tensor(a!)[] tensors, int[] units, Tensor coefs, bool conditional=True) -> ()");
+  m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float clip_value) -> (Tensor, Tensor, Tensor)");
+  m.def("unit_table_sizes() -> int[]", []() -> std::vector<int64_t> {
+    return {gradfuse::cuda::kSmallUnitTableTensors, gradfuse::cuda::kMaxUnitTensorsPerLaunch};
+  });
 }
 
 TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_stats", &gradfuse::cuda::multi_tensor_stats_on<gradfuse::cuda::Emulated>);
   m.impl("multi_tensor_scale_", &gradfuse::cuda::multi_tensor_scale_on<gradfuse::cuda::Emulated>);
+  m.impl("multi_tensor_unit_stats", &gradfuse::cuda::multi_tensor_unit_stats_on<gradfuse::cuda::EmulatedClip>);
+  m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<gradfuse::cuda::EmulatedClip>);
+  m.impl("multi_tensor_clamp_", &gradfuse::cuda::multi_tensor_clamp_on<gradfuse::cuda::EmulatedClip>);
 }
