@@ -6,9 +6,8 @@ Every mode takes one fused statistics pass (two for AGC: weights and gradients) 
 or clamp pass; coefficients are computed on the device, never read by the host.
 
 The fused ops are those of :mod:`gradfuse.ops` (``multi_tensor_scale_per_tensor_``,
-``multi_tensor_unit_stats``, ``multi_tensor_unit_scale_``, ``multi_tensor_clamp_``). Where a
-build of gradfuse predates them, :class:`_Ops` below computes the same results with PyTorch
-(per-tensor loops: correct, not fast).
+``multi_tensor_unit_stats``, ``multi_tensor_unit_scale_``, ``multi_tensor_clamp_``), routed to
+the compiled kernels or to their pure-PyTorch reference per device.
 """
 from __future__ import annotations
 
@@ -23,62 +22,6 @@ from gradfuse.grad_stats import GradStats, layer_of
 from gradfuse.reference import MAXABS, NUMEL, POWSUM, SUMSQ, ZERO
 
 PER_MODES = (None, "param", "layer")
-
-
-# ---------------------------------------------------------------------------------------------
-# The fused ops, or their PyTorch equivalents where this build of gradfuse has none.
-
-class _Ops:
-    """The issue-17 ops of :mod:`gradfuse.ops` when present, else the same results in PyTorch."""
-
-    @staticmethod
-    def scale_per_tensor_(tensors, coefs, conditional=True):
-        fn = getattr(ops, "multi_tensor_scale_per_tensor_", None)
-        if fn is not None:
-            return fn(tensors, coefs, conditional)
-        coefs = coefs.to(tensors[0].device)
-        coefs = torch.clamp(coefs, max=1.0) if conditional else coefs  # x * 1 == x: untouched values
-        for t, c in zip(tensors, coefs.unbind()):
-            t.mul_(c)
-
-    @staticmethod
-    def unit_stats(tensors, units, norm_type=2.0):
-        fn = getattr(ops, "multi_tensor_unit_stats", None)
-        if fn is not None:
-            return fn(tensors, units, norm_type)
-        from gradfuse import reference
-        blocks = []
-        for t, u in zip(tensors, units):
-            blocks += list(t.detach().reshape(u, -1).unbind(0)) if u > 1 else [t.detach()]
-        if not blocks:
-            return (torch.empty((0, 4), dtype=torch.float64),
-                    torch.empty((0, 4), dtype=torch.int64))
-        return reference.tensor_rows(blocks, norm_type)
-
-    @staticmethod
-    def unit_scale_(tensors, units, coefs, conditional=True):
-        fn = getattr(ops, "multi_tensor_unit_scale_", None)
-        if fn is not None:
-            return fn(tensors, units, coefs, conditional)
-        coefs = coefs.to(tensors[0].device)
-        coefs = torch.clamp(coefs, max=1.0) if conditional else coefs
-        start = 0
-        for t, u in zip(tensors, units):
-            c = coefs[start:start + u]
-            start += u
-            view = t.view(u, -1) if u > 1 else t.view(1, -1)
-            view.mul_(c.to(t.dtype if t.dtype == torch.float64 else torch.float32).unsqueeze(1))
-
-    @staticmethod
-    def clamp_(tensors, clip_value):
-        fn = getattr(ops, "multi_tensor_clamp_", None)
-        if fn is not None:
-            return fn(tensors, clip_value)
-        floats, counts = ops.multi_tensor_stats(tensors, 2.0)
-        clamped = torch.stack([(t.abs() > clip_value).sum() for t in tensors]).to(torch.int64)
-        torch._foreach_clamp_min_(tensors, -clip_value)
-        torch._foreach_clamp_max_(tensors, clip_value)
-        return floats, counts, clamped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +125,7 @@ def scale_rows_(grads: list[torch.Tensor], coefs: torch.Tensor) -> None:
         c = coefs if len(groups) == 1 else coefs[torch.tensor(idx, device=coefs.device)]
         c = c.to(device)
         try:
-            _Ops.scale_per_tensor_(group, c)
+            ops.multi_tensor_scale_per_tensor_(group, c)
         except RuntimeError:  # sparse or complex gradients: multiplied as torch does
             for g, ci in zip(group, torch.clamp(c, max=1.0).unbind()):
                 g.mul_(ci)
@@ -219,7 +162,7 @@ def clamp_stats_(names: list[str], grads: list[torch.Tensor], clip_value: float)
     order: list[int] = []
     parts_f, parts_c, parts_k = [], [], []
     for (_device, _dtype), idx in groups.items():
-        f, c, k = _Ops.clamp_([grads[i] for i in idx], clip_value)
+        f, c, k = ops.multi_tensor_clamp_([grads[i] for i in idx], clip_value)
         order += idx
         parts_f.append(f)
         parts_c.append(c)
@@ -267,7 +210,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None)
             group = [distributed.local_tensor(g) for g in group]
         if (all(g.layout == torch.strided and g.dtype in api.SUPPORTED_DTYPES for g in group)
                 and _has_foreach_support(group, device=device)):
-            _Ops.clamp_(group, clip_value)
+            ops.multi_tensor_clamp_(group, clip_value)
         else:  # what the fused op does not take (sparse, integer...): torch's own loop
             for g in group:
                 g.clamp_(min=-clip_value, max=clip_value)
@@ -327,7 +270,7 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
         g_group = [grads[i] for i in idx]
         w_group = [weights[i] for i in idx]
         units = [_unit_count(g) for g in g_group]
-        gn = _unit_norms(*_Ops.unit_stats(g_group, units, p), p)
+        gn = _unit_norms(*ops.multi_tensor_unit_stats(g_group, units, p), p)
         wn = _weight_unit_norms(w_group, units, p, device)
         # timm's arithmetic, in the parameters' dtype: the max norm and coefficient round as there
         wdt = w_group[0].dtype if all(w.dtype == w_group[0].dtype for w in w_group) else dtype
@@ -335,20 +278,20 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
         gn = gn.to(device, dtype)
         coef = torch.where(gn < max_norm, torch.ones_like(gn), max_norm / gn.clamp(min=1e-6))
         coef = coef.to(torch.float64 if dtype == torch.float64 else torch.float32)
-        _Ops.unit_scale_(g_group, units, coef, True)
+        ops.multi_tensor_unit_scale_(g_group, units, coef, True)
 
 
 def _weight_unit_norms(weights, units, p: float, device) -> torch.Tensor:
     """Unit-wise norms of the weights, one fused pass per (device, dtype) of the weights."""
     groups = api._groups(weights)
     if len(groups) == 1:
-        return _unit_norms(*_Ops.unit_stats(weights, units, p), p).to(device)
+        return _unit_norms(*ops.multi_tensor_unit_stats(weights, units, p), p).to(device)
     offsets = [0]
     for u in units:
         offsets.append(offsets[-1] + u)
     out = torch.empty(offsets[-1], dtype=torch.float64, device=device)
     for (_dev, _dt), idx in groups.items():
-        n = _unit_norms(*_Ops.unit_stats([weights[i] for i in idx], [units[i] for i in idx], p), p)
+        n = _unit_norms(*ops.multi_tensor_unit_stats([weights[i] for i in idx], [units[i] for i in idx], p), p)
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(device)
         out[rows] = n.to(device)
     return out
