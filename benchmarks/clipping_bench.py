@@ -9,7 +9,7 @@ ratios from the same run:
 - ``gradfuse.ZClip.step`` vs ``zclip.ZClip.step`` after the warm-up (target: 3x faster).
 
     python benchmarks/clipping_bench.py [--workloads gpt2_small,resnet50] [--dtypes float32,bfloat16]
-                                        [--rounds 7] [--smoke]
+                                        [--rounds 7] [--threads 1] [--smoke]
 
 ``--smoke``: tiny shapes, 1 round (the test suite runs it so the script cannot rot). Each round
 calls every method once per (workload, dtype) in turn; the table gives each method's median
@@ -121,7 +121,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared machine a thread pool waits for "
+                         "descheduled workers, which swamps what is measured)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rounds = 1 if args.smoke else args.rounds
     print(f"gradfuse backend cpu: {gradfuse.backend('cpu')}; torch {torch.__version__}; "
           f"threads {torch.get_num_threads()}")

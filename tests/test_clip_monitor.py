@@ -232,3 +232,19 @@ def test_raise_policy_still_raises_anomaly_with_schedule():
     model[0].bias.grad[0] = math.nan
     with pytest.raises(GradientAnomaly):
         mon.step()
+
+
+def test_plot_draws_a_scheduled_threshold(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradfuse.plot import plot_gradflow
+    model = make_model()
+    path = tmp_path / "run.jsonl"
+    sink = gradfuse.JsonlSink(str(path))
+    mon = GradMonitor(model, max_norm=lambda step: 1.0 if step < 3 else 0.5, every=1, sinks=[sink],
+                      on_nonfinite="ignore")
+    for step in range(6):
+        backward(model, 10.0, seed=step)
+        mon.step()
+    mon.close()
+    plot_gradflow(str(path), str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 0
