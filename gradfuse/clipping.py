@@ -99,6 +99,8 @@ def group_norms(s: GradStats, per: str, layer_depth: int | None = None) -> torch
         return s.norm(p) if p >= 0 or p == -math.inf else _row_accumulators(
             s._floats, s._counts, p).pow(1.0 / p)
     acc = _row_accumulators(s._floats, s._counts, p)
+    if p == 0.0:  # as torch composes a group's 0-norm: its tensors with a non-zero element
+        acc = (acc > 0).to(torch.float64)
     index, n = _layer_index(s.names, layer_depth, acc.device)
     if math.isinf(p):
         layer = acc.new_zeros(n).scatter_reduce(0, index, acc, "amax" if p > 0 else "amin",

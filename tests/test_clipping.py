@@ -317,3 +317,23 @@ def test_agc_refuses_dtensor():
     out = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], capture_output=True, text=True,
                          timeout=300)
     assert "REFUSED gradfuse.adaptive_clip_grad_: DTensor" in out.stdout, out.stdout + out.stderr
+
+
+def test_per_layer_zero_norm_as_torch_composes_it():
+    m = _net()
+    with torch.no_grad():
+        m.blocks[1].bias.grad.zero_()
+    before = _grads(m)
+    layer = [n for n in before if n.startswith("blocks.1.")]
+    ref = {n: before[n].clone().requires_grad_(False) for n in layer}
+    holders = []
+    for n in layer:
+        h = torch.zeros_like(ref[n], requires_grad=True)
+        h.grad = ref[n]
+        holders.append(h)
+    total = torch.nn.utils.clip_grad_norm_(holders, 0.5, norm_type=0)  # torch on the layer alone
+    assert total.item() == 1.0  # one of its two tensors has a non-zero element
+    gradfuse.clip_(m, 0.5, norm_type=0, per="layer")
+    for n, h in zip(layer, holders):
+        torch.testing.assert_close(dict(m.named_parameters())[n].grad, h.grad)
+    assert m.blocks[1].weight.grad.abs().sum() > 0 and not torch.equal(m.blocks[1].weight.grad, before["blocks.1.weight"])
