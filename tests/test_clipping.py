@@ -337,3 +337,12 @@ def test_per_layer_zero_norm_as_torch_composes_it():
     for n, h in zip(layer, holders):
         torch.testing.assert_close(dict(m.named_parameters())[n].grad, h.grad)
     assert m.blocks[1].weight.grad.abs().sum() > 0 and not torch.equal(m.blocks[1].weight.grad, before["blocks.1.weight"])
+
+
+def test_clip_grad_value_foreach_error_as_torch():
+    p = torch.zeros(3, device="meta", requires_grad=True)
+    p.grad = torch.zeros(3, device="meta")
+    for fn in (torch.nn.utils.clip_grad_value_, gradfuse.clip_grad_value_):
+        with pytest.raises(RuntimeError, match="foreach=True was passed, but can't use the foreach API on meta"):
+            fn([p], 1.0, foreach=True)
+        fn([p], 1.0, foreach=False)  # the per-tensor path takes it
