@@ -121,6 +121,11 @@ def scale_rows_(grads: list[torch.Tensor], coefs: torch.Tensor) -> None:
         return
     if distributed.may_have_dtensors(grads):
         grads = [distributed.local_tensor(g) for g in grads]
+    try:  # one (device, dtype) group, checked by the op in C++ (as api._scale_ does)
+        ops.multi_tensor_scale_per_tensor_(grads, coefs.to(grads[0].device))
+        return
+    except RuntimeError:
+        pass
     groups = api._groups(grads)
     for (device, _dtype), idx in groups.items():
         group = [grads[i] for i in idx]

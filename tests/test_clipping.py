@@ -346,3 +346,21 @@ def test_clip_grad_value_foreach_error_as_torch():
         with pytest.raises(RuntimeError, match="foreach=True was passed, but can't use the foreach API on meta"):
             fn([p], 1.0, foreach=True)
         fn([p], 1.0, foreach=False)  # the per-tensor path takes it
+
+
+def test_per_param_mixed_dtypes():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(5, 4)), nn.Parameter(torch.zeros(7, dtype=torch.bfloat16)),
+              nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(6, dtype=torch.float64))]
+    scales = [10.0, 0.01, 0.02, 10.0]
+    for p, k in zip(params, scales):
+        p.grad = (torch.randn(p.shape) * k).to(p.dtype)
+    before = [p.grad.clone() for p in params]
+    s = gradfuse.clip_(params, 0.5, per="param")
+    for i, (p, b) in enumerate(zip(params, before)):
+        coef = min(0.5 / (_norm64(b, 2).item() + 1e-6), 1.0)
+        row = s.names.index(f"[{i}]")
+        assert s.clip_coef[row].item() == pytest.approx(coef, rel=1e-3)
+        expected = (b.double() * coef).to(b.dtype) if coef < 1 else b
+        torch.testing.assert_close(p.grad, expected, **TOL[p.dtype])
+    assert s.clipped.tolist().count(True) == 2
