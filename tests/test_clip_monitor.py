@@ -248,3 +248,41 @@ def test_plot_draws_a_scheduled_threshold(tmp_path):
     mon.close()
     plot_gradflow(str(path), str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode", [dict(max_norm=0.05, per="param"), dict(clip_value=0.01),
+                                  dict(max_norm="zclip")], ids=["per", "value", "zclip"])
+def test_fused_amp_unscale_then_other_modes(mode):
+    """With scaler= and optimizer=, the monitor unscales in its own pass; the other modes then
+    clip the unscaled gradients as the functions do after scaler.unscale_."""
+    model, ref = make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    kw = dict(mode)
+    z_ref = None
+    if kw.get("max_norm") == "zclip":
+        kw["max_norm"] = gradfuse.ZClip(warmup_steps=1, max_grad_norm=0.05)
+        z_ref = gradfuse.ZClip(warmup_steps=1, max_grad_norm=0.05)
+    mon = GradMonitor(model, scaler=scaler, optimizer=opt, every=0, on_nonfinite="ignore", **kw)
+    for step in range(3):
+        for m, o, sc in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            o.zero_grad()
+            torch.manual_seed(step)
+            sc.scale(m(torch.randn(4, 8)).square().mean() * 10).backward()
+        mon.step()
+        ref_scaler.unscale_(ref_opt)
+        unscaled = [p.grad.clone() for p in ref.parameters()]
+        if "per" in mode:
+            gradfuse.clip_(ref, 0.05, per="param")
+        elif "clip_value" in mode:
+            gradfuse.clip_grad_value_(ref.parameters(), 0.01)
+        else:
+            z_ref.step(ref)
+        for p, q, u in zip(model.parameters(), ref.parameters(), unscaled):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8)
+        assert any(not torch.equal(q.grad, u) for q, u in zip(ref.parameters(), unscaled))  # clipped
+        for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            sc.step(o)
+            sc.update()
