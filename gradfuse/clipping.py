@@ -589,7 +589,7 @@ class DoubleClipCheck:
 
 
 def double_clip_message(call: str, name: str) -> str:
-    return (f"gradfuse {call}: the gradients were already changed in place since the backward "
+    return (f"{call}: the gradients were already changed in place since the backward "
             f"(seen on {name!r}): something scaled or clipped them before gradfuse's own clip "
             "(torch.nn.utils.clip_grad_norm_ / clip_grad_value_, a framework's gradient "
             "clipping, accelerator.clip_grad_norm_). Clipping twice shrinks every update. Hand "

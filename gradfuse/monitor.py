@@ -169,7 +169,7 @@ class GradMonitor:
             raise ValueError(f"gradfuse.GradMonitor: pass one of max_norm, clip_value and agc, got {modes}")
         if per is not None and (self.max_norm is None or isinstance(self.max_norm, clipping.ZClip)):
             raise ValueError("gradfuse.GradMonitor: per= needs a max_norm (a number or a schedule)")
-        self._call_name = "GradMonitor.step()"  # what the double-clipping warning names
+        self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
         self._double_clip = (clipping.DoubleClipCheck(self._watch.params, self._watch.names)
                              if check_double_clip and modes else None)
         self._double_clip_warned = False

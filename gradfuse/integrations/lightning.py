@@ -129,7 +129,7 @@ class GradfuseCallback(Callback):
             mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
                               sinks=sinks, **self.monitor_kwargs)
-            mon._call_name = "GradfuseCallback (Lightning, on_before_optimizer_step)"
+            mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
             if index in self._saved:
                 mon.load_state_dict(self._saved.pop(index))
             self.monitors[index] = mon
