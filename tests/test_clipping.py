@@ -364,3 +364,37 @@ def test_per_param_mixed_dtypes():
         expected = (b.double() * coef).to(b.dtype) if coef < 1 else b
         torch.testing.assert_close(p.grad, expected, **TOL[p.dtype])
     assert s.clipped.tolist().count(True) == 2
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.floats(1e-3, 1e3)),
+                      min_size=1, max_size=12),
+       per=st.sampled_from(["param", "layer"]), frac=st.floats(0.05, 2.0),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_per_clip_property_float64_reference(sizes, per, frac, dtype):
+    """Random layers, sizes (empty ones too), scales and dtypes against float64 arithmetic."""
+    g = torch.Generator().manual_seed(len(sizes))
+    named = []
+    for i, (layer, n, scale) in enumerate(sizes):
+        p = nn.Parameter(torch.zeros(n, dtype=dtype))
+        p.grad = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+        named.append((f"blocks.{layer}.p{i}", p))
+    before = {n: p.grad.double().clone() for n, p in named}  # .double() of float64 is no copy
+    groups: dict[str, list[str]] = {}
+    for n, _ in named:
+        groups.setdefault(n if per == "param" else layer_of(n), []).append(n)
+    norms = {k: torch.cat([before[n] for n in v]).norm().item() for k, v in groups.items()}
+    max_norm = frac * max(norms.values()) if max(norms.values()) > 0 else 1.0
+    s = gradfuse.clip_(named, max_norm, per=per)
+    for k, names in groups.items():
+        coef = min(max_norm / (norms[k] + 1e-6), 1.0)
+        for n in names:
+            got = dict(named)[n].grad
+            assert s.clip_coef[s.names.index(n)].item() == pytest.approx(coef, rel=1e-5)
+            if coef >= 1:
+                assert torch.equal(got.double(), before[n])
+            else:
+                torch.testing.assert_close(got, (before[n] * coef).to(dtype), **TOL[dtype])
