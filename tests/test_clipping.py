@@ -398,3 +398,26 @@ def test_per_clip_property_float64_reference(sizes, per, frac, dtype):
                 assert torch.equal(got.double(), before[n])
             else:
                 torch.testing.assert_close(got, (before[n] * coef).to(dtype), **TOL[dtype])
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=4), min_size=1, max_size=8),
+       clip_factor=st.floats(1e-3, 2.0), eps=st.floats(0.0, 1e-1),
+       norm_type=st.sampled_from([1.0, 2.0, 3.0, math.inf]))
+def test_agc_property_against_timm(shapes, clip_factor, eps, norm_type):
+    """Random shapes (0-d, empty, conv-like), zero weights, factors and orders against timm."""
+    if norm_type == math.inf:  # timm raises there (no inf norm of nothing); gradfuse skips it
+        shapes = [[max(d, 1) for d in shape] for shape in shapes]
+    g = torch.Generator().manual_seed(len(shapes))
+    ours, ref = [], []
+    for k, shape in enumerate(shapes):
+        w = torch.randn(shape, generator=g) * (0.0 if k == 0 else 0.5)
+        grad = torch.randn(shape, generator=g) * 10 ** (k % 3 - 1)
+        for out in (ours, ref):
+            p = nn.Parameter(w.clone())
+            p.grad = grad.clone()
+            out.append(p)
+    timm_agc(ref, clip_factor=clip_factor, eps=eps, norm_type=norm_type)
+    gradfuse.adaptive_clip_grad_(ours, clip_factor=clip_factor, eps=eps, norm_type=norm_type)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
