@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gradfuse import amp, api, clipping
-from gradfuse.api import _check_max_norm, _check_norm_type
+from gradfuse.api import _check_norm_type
 from gradfuse.grad_stats import GradStats
 from gradfuse.grad_watch import watch
 

@@ -120,15 +120,14 @@ def test_monitor_agc_matches_function():
     model, ref = make_model(), make_model()
     backward(model, 10.0)
     backward(ref, 10.0)
+    unclipped = [p.grad.clone() for p in model.parameters()]
     mon = GradMonitor(model, agc=0.01, every=0)
     mon.step()
     gradfuse.adaptive_clip_grad_(ref.parameters(), 0.01)
-    changed = 0
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
-    backward(ref, 10.0)
-    changed = sum(not torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
-    assert changed > 0
+    changed = sum(not torch.equal(p.grad, u) for p, u in zip(model.parameters(), unclipped))
+    assert 0 < changed  # AGC clipped some gradients
 
 
 def test_monitor_bad_modes():
