@@ -8,6 +8,7 @@ from gradfuse._ext import backend, build_info
 from gradfuse.amp import unscale_clip_
 from gradfuse.api import (clip_, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, stats,
                           tensor_stats)
+from gradfuse.clipping import ZClip, adaptive_clip_grad_, clip_grad_value_
 from gradfuse.grad_stats import GradStats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
@@ -22,3 +23,4 @@ __all__ = ["Attachment", "GradMonitor", "GradStats", "GradWatch", "GradientAnoma
            "WandbSink", "attach", "backend", "build_info", "clip_", "clip_grad_norm_",
            "clip_grads_with_norm_", "get_total_norm", "stats", "tensor_stats", "unscale_clip_",
            "watch", "__version__"]
+__all__ += ["ZClip", "adaptive_clip_grad_", "clip_grad_value_"]  # issue 17: gradfuse.clipping

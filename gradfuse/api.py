@@ -462,8 +462,9 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
 
 
 @torch.no_grad()
-def clip_(source: Source, max_norm: float, norm_type: float = 2.0,
-          error_if_nonfinite: bool = False, *, group=None) -> GradStats:
+def clip_(source: Source, max_norm: float | None, norm_type: float = 2.0,
+          error_if_nonfinite: bool = False, *, group=None, per: str | None = None,
+          value: float | None = None, layer_depth: int | None = None) -> GradStats:
     """Clip the gradients of ``source`` by total norm in place, like ``clip_grad_norm_``, and
     return their statistics from before clipping, with ``clip_coef`` and ``clipped``.
 
@@ -474,7 +475,17 @@ def clip_(source: Source, max_norm: float, norm_type: float = 2.0,
         if step % 100 == 0:
             print(s.table(top=10))   # the only host transfer
         optimizer.step()
+
+    ``per="param"`` / ``per="layer"``: each parameter / layer (as :meth:`GradStats.layers`
+    groups them, or by ``layer_depth``) clipped by its own norm, from the same single stats pass;
+    ``clip_coef`` is then one entry per row. ``value=v`` (with ``max_norm=None``): clamps to
+    ``[-v, v]`` as ``clip_grad_value_``, statistics from before clamping and ``clamped``, the
+    number of elements changed per row. See :mod:`gradfuse.clipping`.
     """
+    if per is not None or value is not None:  # issue 17: see gradfuse.clipping
+        from gradfuse import clipping
+        return clipping.clip_modes_(source, max_norm, norm_type, error_if_nonfinite, group=group,
+                                    per=per, value=value, layer_depth=layer_depth)
     max_norm = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
     names, _params, grads = _named_grads(source)

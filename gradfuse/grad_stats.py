@@ -49,10 +49,19 @@ class GradStats:
 
     ``scope`` is ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
     rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
+
+    Clipping modes (:mod:`gradfuse.clipping`): after ``clip_(..., per="param"|"layer")``
+    ``clip_coef`` and ``clipped`` are 1-d, one entry per row (``clip_per`` says which); after
+    ``clip_(..., value=v)`` ``clamped`` holds the elements changed per row, ``clipped`` is
+    ``clamped > 0`` and ``clip_value`` is ``v``.
     """
 
     # int64 [n, 283] exponent histogram per row (gradfuse.histogram), with histogram=True
     exponent_histogram: torch.Tensor | None = None
+    # Issue 17 (gradfuse.clipping) sets these on the instances it returns.
+    clip_per: str | None = None
+    clamped: torch.Tensor | None = None
+    clip_value: float | None = None
 
     def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
                  norm_type: float, total_norm: torch.Tensor,
@@ -150,7 +159,7 @@ class GradStats:
     @_derived
     def clipped(self) -> torch.Tensor | None:
         if self.clip_coef is None:
-            return None
+            return None if self.clamped is None else self.clamped > 0
         return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
 
     @_derived
@@ -196,15 +205,25 @@ class GradStats:
             dev = self._floats.device
             scalars = [self._total.to(dev, torch.float64).reshape(1),
                        self.nonfinite.to(dev, torch.float64).reshape(1)]
-            if self.clip_coef is not None:
-                scalars.append(self.clip_coef.to(dev, torch.float64).reshape(1))
+            per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
+            if self.clip_coef is not None:  # per row: the smallest coefficient as the summary
+                coef = ((self.clip_coef.amin() if n else self.clip_coef.new_ones(())) if per_row
+                        else self.clip_coef)
+                scalars.append(coef.to(dev, torch.float64).reshape(1))
+            extra = [self.clip_coef] if per_row else []
+            extra += [self.clamped] if self.clamped is not None else []
+            scalars += [x.to(dev, torch.float64).reshape(-1) for x in extra]
             cols = [self.l2, self.linf, self.mean, self.zero_fraction,
                     self.numel.double(), self.nan_count.double(), self.inf_count.double(),
                     self.zero_count.double()]
             packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
             rows = [packed[i * 8:(i + 1) * 8] for i in range(n)]
             tail = packed[n * 8:]
+            ncoef = 1 if self.clip_coef is not None else 0
+            extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(len(extra))]
             self._host_cache = {
+                "row_coef": extra_rows[0] if per_row else None,
+                "row_clamped": extra_rows[-1] if self.clamped is not None else None,
                 "rows": rows,
                 "total_norm": tail[0],
                 "nonfinite": bool(tail[1]),
@@ -222,6 +241,17 @@ class GradStats:
             params[name] = {"numel": int(numel), "l2": l2, "linf": linf, "mean": mean,
                             "nan_count": int(nan), "inf_count": int(inf),
                             "zero_count": int(zero), "zero_fraction": zf}
+        extra = {}
+        if h["row_coef"] is not None:  # per-parameter / per-layer clipping
+            for name, c in zip(self.names, h["row_coef"]):
+                params[name].update(clip_coef=c, clipped=not (c >= 1))
+            extra = {"clip_per": self.clip_per,
+                     "clipped_params": sum(1 for c in h["row_coef"] if not c >= 1)}
+        if h["row_clamped"] is not None:  # clipping by value
+            for name, k in zip(self.names, h["row_clamped"]):
+                params[name].update(clamped=int(k), clipped=k > 0)
+            extra = {"clip_value": self.clip_value, "clamped": int(sum(h["row_clamped"])),
+                     "clipped_params": sum(1 for k in h["row_clamped"] if k > 0)}
         coef = h["clip_coef"]
         return {
             "total_norm": h["total_norm"],
@@ -232,6 +262,7 @@ class GradStats:
             "clipped": None if coef is None else not (coef >= 1),
             "max_norm": self.max_norm,
             "params": params,
+            **extra,
         }
 
     def layers(self, depth: int | None = None) -> dict[str, dict]:
@@ -284,9 +315,16 @@ class GradStats:
         if len(shown) < len(items):
             lines.append(f"... {len(items) - len(shown)} more parameters")
         total = f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}"
-        if d["clip_coef"] is not None:
+        if d["clip_coef"] is not None and "clip_per" in d:
+            total += (f"   per {d['clip_per']}: {d['clipped_params']} of {len(items)} clipped, "
+                      f"smallest coef {d['clip_coef']:.4g}, max_norm {d['max_norm']:g}")
+        elif d["clip_coef"] is not None:
+            max_norm = "adaptive" if d["max_norm"] is None else f"{d['max_norm']:g}"
             total += (f"   clip coef: {d['clip_coef']:.4g} "
-                      f"({'clipped' if d['clipped'] else 'not clipped'}, max_norm {d['max_norm']:g})")
+                      f"({'clipped' if d['clipped'] else 'not clipped'}, max_norm {max_norm})")
+        if "clamped" in d:
+            total += (f"   clip value {d['clip_value']:g}: {d['clamped']} elements clamped in "
+                      f"{d['clipped_params']} of {len(items)}")
         if d["nonfinite"]:
             total += f"   NON-FINITE: {', '.join(self.nonfinite_names())}"
         lines.append(total)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradfuse import amp
-from gradfuse.api import _check_max_norm, _check_norm_type
+from gradfuse import amp, api, clipping
+from gradfuse.api import _check_norm_type
 from gradfuse.grad_stats import GradStats
 from gradfuse.grad_watch import watch
 
@@ -95,6 +95,22 @@ class GradMonitor:
         model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
             :func:`gradfuse.watch` handle (see there for when its parameters are re-resolved).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
+            Also a schedule, a callable of the step number returning the value (``lambda step:
+            1.0 if step < 5000 else 0.5``; logged each logging step as ``max_norm``; a value that
+            is NaN, negative or not a number, or a schedule that raises, is an anomaly named
+            ``"max_norm"`` handled by ``on_nonfinite``: ``raise`` raises a ValueError naming the
+            step, ``skip`` skips the step, ``warn`` / ``ignore`` do not clip that step), or a
+            :class:`gradfuse.ZClip` (adaptive threshold, state on the device and in
+            :meth:`state_dict`). See :mod:`gradfuse.clipping`.
+        per: with ``max_norm``: ``"param"`` / ``"layer"`` clips each parameter / layer (grouped
+            as ``layer_depth`` groups them) by its own norm.
+        clip_value: clamp every gradient to ``[-clip_value, clip_value]`` (as
+            ``clip_grad_value_``); the statistics are from before clamping, with the clamped
+            element counts.
+        agc: adaptive gradient clipping with this ``clip_factor`` (as
+            ``gradfuse.adaptive_clip_grad_``, ``eps=agc_eps``, of order ``norm_type``).
+        check_double_clip: warn once when the gradients were changed in place between the
+            backward and the monitor's clip (someone else clipped them too).
         norm_type: order of the total norm.
         every: log the full statistics to the sinks every ``every`` steps (0: never).
         on_nonfinite: policy when any gradient holds NaN or Inf: ``"skip"`` (default: the update
@@ -133,7 +149,9 @@ class GradMonitor:
                  every: int = 100, on_nonfinite: str = "skip",
                  explode_threshold: float | None = None, on_explode: str = "skip",
                  sinks=(), layer_depth: int | None = None, scaler=None, optimizer=None,
-                 enabled: bool = True, start_step: int = 0, histogram: bool = False):
+                 enabled: bool = True, start_step: int = 0, histogram: bool = False,
+                 per: str | None = None, clip_value: float | None = None, agc: float | None = None,
+                 agc_eps: float = 1e-3, check_double_clip: bool = True):
         for name, value in (("on_nonfinite", on_nonfinite), ("on_explode", on_explode)):
             if value not in POLICIES:
                 raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
@@ -144,9 +162,23 @@ class GradMonitor:
         if not isinstance(model, (nn.Module, torch.Tensor)):
             model = list(model)  # iterated every step
         self.source = model
-        self.max_norm = None if max_norm is None else _check_max_norm(max_norm)
+        self.max_norm = clipping.check_max_norm_arg(max_norm)
         self.norm_type = _check_norm_type(norm_type)
         self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
+        self.per = clipping.check_per(per)
+        self.clip_value = None if clip_value is None else clipping.check_clip_value(clip_value)
+        self.agc = None if agc is None else clipping.check_agc_args(agc, agc_eps, self.norm_type)
+        modes = [m for m, v in (("max_norm", max_norm), ("clip_value", clip_value), ("agc", agc))
+                 if v is not None]
+        if len(modes) > 1:
+            raise ValueError(f"gradfuse.GradMonitor: pass one of max_norm, clip_value and agc, got {modes}")
+        if per is not None and (self.max_norm is None or isinstance(self.max_norm, clipping.ZClip)):
+            raise ValueError("gradfuse.GradMonitor: per= needs a max_norm (a number or a schedule)")
+        self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
+        self._double_clip = (clipping.DoubleClipCheck(self._watch.params, self._watch.names)
+                             if check_double_clip and modes else None)
+        self._double_clip_warned = False
+        self._max_norm_now = None  # the max_norm of the latest step (a number, or a device threshold)
         self.every = every
         self.on_nonfinite = on_nonfinite
         self.explode_threshold = explode_threshold
@@ -231,13 +263,21 @@ class GradMonitor:
         # DTensor gradients: a step that does not log reduces only the total norm (one scalar
         # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
         rows = bool(log_now and self.sinks)
+        self._check_double_clip(fused_unscale)
+        max_norm, bad_max_norm = self._max_norm_at(step)
+        plain = isinstance(max_norm, float) and self.per is None
         # With no policy to apply before clipping, statistics and clip are one call.
-        clip_now = not fused_unscale and self.max_norm is not None and not self._needs_flag()
+        clip_now = not fused_unscale and plain and not self._needs_flag()
+        value_now = (not fused_unscale and self.clip_value is not None and not self._needs_flag()
+                     and self.norm_type == 2.0)
         if fused_unscale:
             names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
             s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
         elif clip_now:
-            s = self._watch.clip_(self.max_norm, rows=rows)
+            s = self._watch.clip_(max_norm, rows=rows)
+        elif value_now:  # one pass: clamp, with the statistics from before clamping
+            names, _params, grads = api._with_grads(self._watch.names, self._watch.params)
+            s = clipping.clamp_stats_(names, grads, self.clip_value)
         else:
             s = self._watch.stats(rows=rows)
         report = StepReport(step, stats=s)
@@ -260,9 +300,18 @@ class GradMonitor:
             self.explode_steps += 1
 
         policies = ([self.on_nonfinite] if code & 1 else []) + ([self.on_explode] if code & 2 else [])
+        if bad_max_norm is not None:  # a schedule's bad value: under the on_nonfinite policy
+            report.anomalies.append("max_norm")
+            policies.append(self.on_nonfinite)
+            if self.on_nonfinite == "raise":
+                if fused_unscale:
+                    amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
+                raise bad_max_norm
         if report.anomalies and report.anomalies != ["amp_overflow"]:
             self.anomaly_steps += 1
             report.message = self._describe(s, report.anomalies)
+            if bad_max_norm is not None:
+                report.message = "; ".join(m for m in (report.message, str(bad_max_norm)) if m)
         if "raise" in policies:
             if fused_unscale:  # leave the gradients unscaled, in true units, for inspection
                 amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
@@ -276,20 +325,70 @@ class GradMonitor:
         elif "warn" in policies:
             warn(f"gradfuse step {step}: {report.message}")
 
-        clip = self.max_norm is not None and not report.skip and "amp_overflow" not in report.anomalies
+        clip = ((max_norm is not None or self.clip_value is not None or self.agc is not None)
+                and not report.skip and "amp_overflow" not in report.anomalies)
         if fused_unscale:  # one multiply: unscale, and clip when due
             s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
-                                    self.max_norm if clip else None)
-        elif clip and not clip_now:
-            s = self._watch._clip_to(s, self.max_norm)
-        if clip:
+                                    max_norm if clip and plain else None)
+        elif clip and plain and not clip_now:
+            s = self._watch._clip_to(s, max_norm)
+        if clip and not plain and not value_now:  # the other modes: gradfuse.clipping
+            s = self._clip_other_modes(s, max_norm)
+        if clip and s.clipped is not None:
+            clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
-            self._clipped = s.clipped.to(torch.int64) if self._clipped is None else self._clipped + s.clipped
+            self._clipped = clipped.to(torch.int64) if self._clipped is None else self._clipped + clipped
         if log_now or (report.anomalies and policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
         self._last_report = report
         return report
+
+    def _max_norm_at(self, step: int):
+        """(this step's max_norm: a float, a ZClip or None; the ScheduleError of a bad value)."""
+        m = self.max_norm
+        if callable(m) and not isinstance(m, clipping.ZClip):
+            try:
+                m = clipping.max_norm_at(m, step)
+            except clipping.ScheduleError as e:
+                self._max_norm_now = None
+                return None, e
+        self._max_norm_now = m
+        return m, None
+
+    def _logged_max_norm(self, report: StepReport):
+        m = report.stats.max_norm if report.stats is not None else None
+        if m is None:
+            m = self._max_norm_now
+        if isinstance(m, clipping.ZClip):  # its threshold of that step (inf: nothing clipped)
+            m = m.last_threshold
+        return float(m) if isinstance(m, torch.Tensor) else m
+
+    def _check_double_clip(self, fused_unscale: bool) -> None:
+        if self._double_clip is None:
+            return
+        # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
+        allowed = 1 if self._amp_active() and not fused_unscale else 0
+        name = self._double_clip.changed(allowed)
+        if name is not None and not self._double_clip_warned:
+            self._double_clip_warned = True
+            warn(clipping.double_clip_message(self._call_name, name))
+
+    def _clip_other_modes(self, s: GradStats, max_norm) -> GradStats:
+        """per=, ZClip, clip_value and agc (gradfuse.clipping)."""
+        if self.agc is not None:
+            cf, eps, p = self.agc
+            _names, params, _grads = api._with_grads(self._watch.names, self._watch.params)
+            clipping.adaptive_clip_grad_(params, cf, eps, p)
+            return s
+        if self.clip_value is not None:
+            names, _params, grads = api._with_grads(self._watch.names, self._watch.params)
+            clamped = clipping.clamp_stats_(names, grads, self.clip_value)
+            s = s._replace()
+            s.clamped, s.clip_value = clamped.clamped, self.clip_value
+            return s
+        return clipping.monitor_clip_(s, (self._watch.names, self._watch.params),
+                                      {"per": self.per, "layer_depth": self.layer_depth}, max_norm)
 
     def _describe(self, s: GradStats, anomalies: list[str]) -> str:
         d = s.to_dict()
@@ -322,7 +421,7 @@ class GradMonitor:
             "step": report.step,
             "total_norm": d["total_norm"],
             "norm_type": d["norm_type"],
-            "max_norm": self.max_norm,
+            "max_norm": self._logged_max_norm(report),
             "clip_coef": d["clip_coef"],
             "clipped": d["clipped"],
             "nonfinite": d["nonfinite"],
@@ -402,6 +501,8 @@ class GradMonitor:
         the device counter of clipped steps). Save it with the training checkpoint."""
         state = {"version": STATE_VERSION, "step": self.step_count, "clipped_steps": self.clipped_steps}
         state.update({name: getattr(self, name) for name in COUNTERS})
+        if isinstance(self.max_norm, clipping.ZClip):
+            state["zclip"] = self.max_norm.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -418,6 +519,8 @@ class GradMonitor:
         self._clipped_restored = int(state["clipped_steps"])
         self._clipped = None
         self._restored = True
+        if isinstance(self.max_norm, clipping.ZClip) and "zclip" in state:
+            self.max_norm.load_state_dict(state["zclip"])
 
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended

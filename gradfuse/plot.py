@@ -1,6 +1,7 @@
 """Gradient-flow pictures from a JSONL log written by GradMonitor (matplotlib, optional)."""
 from __future__ import annotations
 
+import math
 import os
 
 from gradfuse.sinks import _require, read_jsonl
@@ -153,7 +154,12 @@ def gradflow_figure(records: list[dict]):
     ax.semilogy(steps, np.where(np.isfinite(total) & (total > 0), total, np.nan), lw=1, color="k",
                 label="total norm")
     max_norm = next((r["max_norm"] for r in records if r.get("max_norm") is not None), None)
-    if max_norm:
+    thresholds = {r.get("max_norm") for r in records if r.get("max_norm") is not None}
+    if len(thresholds) > 1:  # a schedule or an adaptive threshold (ZClip: inf where it did not clip)
+        mn = np.array([r["max_norm"] if r.get("max_norm") is not None else np.nan for r in records], float)
+        ax.step(steps, np.where(np.isfinite(mn) & (mn > 0), mn, np.nan), where="post",
+                color="tab:orange", ls="--", lw=1, label="clip threshold")
+    elif max_norm and math.isfinite(max_norm):
         ax.axhline(max_norm, color="tab:orange", ls="--", lw=1, label=f"clip threshold {max_norm:g}")
     finite_top = np.nanmax(np.where(np.isfinite(total), total, np.nan)) if np.isfinite(total).any() else 1.0
     # Markers can only sit on logged steps; the counts come from the monitor's counters, which

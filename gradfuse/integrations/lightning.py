@@ -16,6 +16,7 @@ _require("lightning", "lightning", "integrations.lightning")
 
 from lightning.pytorch import Callback  # noqa: E402
 
+from gradfuse.clipping import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
 from gradfuse.monitor import GradMonitor, StepReport, warn  # noqa: E402
 from gradfuse.sinks import metrics  # noqa: E402
@@ -57,9 +58,11 @@ class GradfuseCallback(Callback):
     non-finite counts) and on every anomaly.
 
     Args:
-        max_norm: clip by total norm. None (default): take the Trainer's ``gradient_clip_val``
-            (with ``gradient_clip_algorithm="norm"``). Either way Lightning's own norm clipping
-            is turned off for the fit (restored afterwards); value clipping stays Lightning's.
+        max_norm: clip by total norm: a number, a schedule (callable of the step) or a
+            :class:`gradfuse.ZClip`. None (default): take the Trainer's ``gradient_clip_val``,
+            by norm, or by value with ``gradient_clip_algorithm="value"`` (the monitor's
+            ``clip_value``). Either way Lightning's own clipping is turned off for the fit
+            (restored afterwards). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor.
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth`` (see :class:`GradMonitor`).
@@ -83,6 +86,7 @@ class GradfuseCallback(Callback):
         self._skip: dict[int, bool] = {}
         self._saved: dict[int, dict] = {}
         self._trainer_clip = None
+        self._took_value = False
 
     @property
     def monitor(self) -> GradMonitor | None:
@@ -93,14 +97,17 @@ class GradfuseCallback(Callback):
         if stage != "fit" or not trainer.gradient_clip_val:
             return
         algorithm = trainer.gradient_clip_algorithm
-        if algorithm is not None and str(getattr(algorithm, "value", algorithm)) != "norm":
-            return  # value clipping is not what gradfuse does: Lightning keeps it
+        by_value = algorithm is not None and str(getattr(algorithm, "value", algorithm)) == "value"
         clip = float(trainer.gradient_clip_val)
-        if self.max_norm is None:
+        own = describe_mode(self.max_norm, self.monitor_kwargs)
+        if own is None and by_value:  # gradient_clip_algorithm="value": clamped by the monitor
+            self.monitor_kwargs["clip_value"] = clip
+            self._took_value = True
+        elif own is None:
             self.max_norm = clip
-        elif self.max_norm != clip:
-            warn(f"gradfuse GradfuseCallback: max_norm={self.max_norm:g} replaces the Trainer's "
-                 f"gradient_clip_val={clip:g}")
+        elif own != (f"clip_value={clip:g}" if by_value else f"max_norm={clip:g}"):
+            warn(f"gradfuse GradfuseCallback: {own} replaces the Trainer's gradient_clip_val={clip:g}"
+                 f" (gradient_clip_algorithm={'value' if by_value else 'norm'})")
         self._trainer_clip = trainer.gradient_clip_val
         trainer.gradient_clip_val = None  # gradfuse clips, in the same place, once
 
@@ -122,6 +129,7 @@ class GradfuseCallback(Callback):
             mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
                               sinks=sinks, **self.monitor_kwargs)
+            mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
             if index in self._saved:
                 mon.load_state_dict(self._saved.pop(index))
             self.monitors[index] = mon
@@ -142,6 +150,9 @@ class GradfuseCallback(Callback):
         if self._trainer_clip is not None:
             trainer.gradient_clip_val = self._trainer_clip
             self._trainer_clip = None
+        if self._took_value:
+            self.monitor_kwargs.pop("clip_value", None)
+            self._took_value = False
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._release(trainer)

@@ -114,6 +114,7 @@ class Attachment:
         fused = scaler is not None and len(optimizers) == 1
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
                                    **monitor_kwargs)
+        self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
         self.last_report: StepReport | None = None
         self._skip = False
         self._pending: set[int] = set()  # optimizers still to step under the current decision
@@ -218,7 +219,9 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             anomalies), and with one optimizer it unscales the gradients itself, fused with its
             statistics (a prior ``scaler.unscale_(optimizer)`` is fine too).
         **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
-            ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...).
+            ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
+            schedule or a :class:`gradfuse.ZClip`, and ``per``, ``clip_value``, ``agc`` choose
+            other clipping modes, see :mod:`gradfuse.clipping`).
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):

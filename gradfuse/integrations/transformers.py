@@ -21,6 +21,7 @@ _require("transformers", "transformers", "integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 
+from gradfuse.clipping import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
 from gradfuse.monitor import GradMonitor, StepReport, warn  # noqa: E402
 from gradfuse.sinks import metrics  # noqa: E402
@@ -62,11 +63,11 @@ class GradfuseCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
         if args.max_grad_norm and args.max_grad_norm > 0:
-            if self.max_norm is None:
+            own = describe_mode(self.max_norm, self.monitor_kwargs)
+            if own is None:
                 self.max_norm = float(args.max_grad_norm)
-            elif self.max_norm != args.max_grad_norm:
-                warn(f"gradfuse: max_norm={self.max_norm:g} replaces the Trainer's "
-                     f"max_grad_norm={args.max_grad_norm:g}")
+            elif own != f"max_norm={args.max_grad_norm:g}":
+                warn(f"gradfuse: {own} replaces the Trainer's max_grad_norm={args.max_grad_norm:g}")
             self._trainer_max_grad_norm = args.max_grad_norm
             args.max_grad_norm = 0.0  # gradfuse clips instead, in the same place, once
         optimizer = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
@@ -77,6 +78,7 @@ class GradfuseCallback(TrainerCallback):
                 named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
                 scaler=scaler, optimizer=inner if scaler is not None else None,
                 sinks=self.sinks if trainer.is_world_process_zero() else [], **self.monitor_kwargs)
+            self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
         saved = (state.stateful_callbacks or {}).get(STATE_KEY)
         if saved and state.global_step > 0:  # resuming from a checkpoint
             self.monitor.load_state_dict(saved)
@@ -182,8 +184,10 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
     statistics in the logs. Returns the callback.
 
     Args:
-        max_norm: clip by total norm; None (default): the Trainer's ``max_grad_norm``. The Trainer
-            itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``).
+        max_norm: clip by total norm: a number, a schedule (callable of the step) or a
+            :class:`gradfuse.ZClip`; None (default): the Trainer's ``max_grad_norm``. The Trainer
+            itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``), also when
+            ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip instead.
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth`` (see :class:`GradMonitor`).
