@@ -117,6 +117,13 @@ class GradMonitor:
         enabled: False turns the monitor off: :meth:`step` then does nothing at all.
         start_step: the first step number. A resumed run restores it (and the counters) with
             :meth:`load_state_dict`.
+        noise_scale: True or a :class:`gradfuse.NoiseScale`: the gradient noise scale, logged as
+            ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
+            :mod:`gradfuse.noise_scale`; call :meth:`micro_step` after each backward under
+            gradient accumulation, or register the DDP hook).
+        update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
+            ratios and weight norms on logging steps, ``update_ratio/<layer>``,
+            ``weight_norm/<layer>`` (see :mod:`gradfuse.update_ratio`).
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -128,7 +135,7 @@ class GradMonitor:
                  every: int = 100, on_nonfinite: str = "skip",
                  explode_threshold: float | None = None, on_explode: str = "skip",
                  sinks=(), layer_depth: int | None = None, scaler=None, optimizer=None,
-                 enabled: bool = True, start_step: int = 0):
+                 enabled: bool = True, start_step: int = 0, noise_scale=False, update_ratios=False):
         for name, value in (("on_nonfinite", on_nonfinite), ("on_explode", on_explode)):
             if value not in POLICIES:
                 raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
@@ -168,6 +175,10 @@ class GradMonitor:
         self._restored = False
         self._started = False
         self._last_report: StepReport | None = None
+        self.dynamics = None  # gradfuse.dynamics: noise scale, update ratios
+        if noise_scale or update_ratios:
+            from gradfuse.dynamics import Dynamics
+            self.dynamics = Dynamics(self, noise_scale, update_ratios)
 
     @property
     def clipped_steps(self) -> int:
@@ -276,11 +287,25 @@ class GradMonitor:
         if clip:
             report.stats = s
             self._clipped = s.clipped.to(torch.int64) if self._clipped is None else self._clipped + s.clipped
+        if self.dynamics is not None:
+            self.dynamics.on_step(self, report, log_now)
         if log_now or (report.anomalies and policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
         self._last_report = report
         return report
+
+    def micro_step(self) -> None:
+        """Says a micro-batch's backward has finished (gradient accumulation), for the noise
+        scale: call it after each ``backward()``; the first micro-batch's squared norm is taken
+        by one fused pass on steps that accumulate. Does nothing without ``noise_scale``."""
+        if self.enabled and self.dynamics is not None:
+            self.dynamics.micro_step(self)
+
+    @property
+    def noise_scale(self):
+        """The :class:`gradfuse.NoiseScale` estimator, or None."""
+        return None if self.dynamics is None else self.dynamics.noise_scale
 
     def _describe(self, s: GradStats, anomalies: list[str]) -> str:
         d = s.to_dict()
@@ -309,6 +334,7 @@ class GradMonitor:
     def record(self, report: StepReport, event: bool = False) -> dict:
         """The record the sinks get for ``report`` (reads its statistics: one transfer)."""
         d = report.stats.to_dict()
+        extra = {} if self.dynamics is None else self.dynamics.record(report)
         return {
             "step": report.step,
             "total_norm": d["total_norm"],
@@ -324,6 +350,7 @@ class GradMonitor:
             "counters": self.counters(),
             "params": d["params"],
             "layers": report.stats.layers(self.layer_depth),
+            **extra,
         }
 
     def _write(self, report: StepReport, event: bool) -> None:
@@ -384,6 +411,8 @@ class GradMonitor:
         the device counter of clipped steps). Save it with the training checkpoint."""
         state = {"version": STATE_VERSION, "step": self.step_count, "clipped_steps": self.clipped_steps}
         state.update({name: getattr(self, name) for name in COUNTERS})
+        if self.dynamics is not None:
+            state["dynamics"] = self.dynamics.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -398,6 +427,8 @@ class GradMonitor:
         for name in COUNTERS:
             setattr(self, name, int(state[name]))
         self._clipped_restored = int(state["clipped_steps"])
+        if self.dynamics is not None and "dynamics" in state:
+            self.dynamics.load_state_dict(state["dynamics"])
         self._clipped = None
         self._restored = True
 
