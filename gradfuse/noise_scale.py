@@ -128,6 +128,7 @@ class NoiseScale:
         if accumulation_steps is not None and accumulation_steps < 1:
             raise ValueError(f"gradfuse.NoiseScale: accumulation_steps must be >= 1, got {accumulation_steps}")
         self.batch_size = float(batch_size) if batch_size is not None else 1.0
+        self.batch_size_given = batch_size is not None
         self.beta = float(beta)
         self.accumulation = accumulation
         self.accumulation_steps = accumulation_steps
@@ -283,3 +284,42 @@ class NoiseScale:
     def __repr__(self) -> str:
         return (f"NoiseScale(batch_size={self.batch_size:g}, beta={self.beta}, "
                 f"accumulation={self.accumulation!r}, updates={self.updates})")
+
+
+class BackwardEnds:
+    """Calls ``fn()`` once at the end of every backward that accumulates into the ``.grad`` of
+    any of ``params`` (a post-accumulate-grad hook on each parameter queues one callback on the
+    autograd engine, as DDP's reducer does): how :func:`gradfuse.attach` sees micro-batch
+    boundaries without a call in the loop. Costs one Python call per parameter per backward;
+    :meth:`remove` takes the hooks off."""
+
+    def __init__(self, params, fn):
+        self.fn = fn
+        self._queued = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook)
+                        for p in params if p.requires_grad]
+
+    def _hook(self, _param) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        self._queued = False
+        self.fn()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def configure(estimator: "NoiseScale | None", *, batch_size=None, accumulation_steps=None) -> None:
+    """What an integration knows, given to an estimator the user did not configure."""
+    if estimator is None:
+        return
+    if batch_size and not estimator.batch_size_given:
+        estimator.batch_size = float(batch_size)
+        estimator.batch_size_given = True
+    if accumulation_steps and estimator.accumulation_steps is None:
+        estimator.accumulation_steps = int(accumulation_steps)

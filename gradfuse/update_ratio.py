@@ -13,7 +13,8 @@ within float rounding (its fp32/bf16 rounding when added to the weights):
   update ``-lr / (1 - beta1^t) * m' / (sqrt(v') / sqrt(1 - beta2^t) + eps)``, minus
   ``lr * wd * w`` for decoupled weight decay (AdamW, or ``Adam(decoupled_weight_decay=True)``).
 
-Other optimizers (and subclasses, which may change ``step``): "not available", said once.
+Subclasses of these are taken to apply their base class's update (e.g. one that records
+something and calls ``super().step()``). Other optimizers: "not available", said once.
 
 Cost, on logging steps only: two fused stats passes (the weights, the updates), plus the
 elementwise work that forms the updates (``torch._foreach_*``: none beyond the update itself for
@@ -34,7 +35,7 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 def unavailable_reason(optimizer) -> str | None:
     """None when the update of ``optimizer`` can be computed, else why not."""
     kind = type(optimizer)
-    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
         return (f"update ratios are not available for {kind.__name__}: gradfuse computes the update from "
                 f"the optimizer's state for {', '.join(SUPPORTED)} only")
     for group in optimizer.param_groups:
