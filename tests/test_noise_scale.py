@@ -182,3 +182,18 @@ def test_ddp_two_gloo_ranks_estimate_within_10_percent(tmp_path):
             # per bucket (one bucket here) in the hook, only on the backward that syncs.
             assert out["all_reduce_calls"] == case["steps"], (name, out)
             assert out["extra_passes"] == 0 and out["bucket_passes"] == case["steps"], (name, out)
+
+
+def test_plot_draws_the_noise_scale_curve(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradfuse.__main__ import main
+    from gradfuse.plot import noise_scale_path
+    sink = gradfuse.JsonlSink(tmp_path / "run.jsonl")
+    mon, *_ = run_accumulation(8, 1.0, 1.0, batch=2, k=2, steps=120, sinks=[sink])
+    mon.close()
+    out = tmp_path / "flow.png"
+    assert main(["plot", str(tmp_path / "run.jsonl"), "-o", str(out)]) == 0
+    picture = noise_scale_path(out)
+    assert picture.endswith("flow_noise_scale.png")
+    with open(picture, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
