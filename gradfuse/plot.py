@@ -49,7 +49,7 @@ def noise_scale_figure(records: list[dict]):
     axes[0].semilogy(steps, positive(col["noise_scale"]), color="tab:blue", lw=1.5)
     axes[0].set_ylabel("B_simple (examples)")
     axes[0].set_title("gradient noise scale B_simple = tr(Sigma) / |G|^2 (EMA): "
-                      "batches much larger than it waste compute", fontsize=9)
+                      "batches well above it mostly average noise", fontsize=9)
     axes[1].semilogy(steps, positive(col["G2"]), label="|G|^2", color="k", lw=1)
     axes[1].semilogy(steps, positive(col["trSigma"]), label="tr(Sigma)", color="tab:orange", lw=1)
     axes[1].set_xlabel("step")

@@ -7,10 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 
-def quadratic_ddp(rank, world, d, s, g_norm, batch, steps, accumulate=1, seed=0):
+def quadratic_ddp(rank, world, d, s, g_norm, batch, steps, accumulate=1, seed=0, via_attach=False):
     """Per-example loss 0.5 |w - x_i|^2, x_i ~ N(mu, s^2 I): B_simple = d s^2 / |w - mu|^2. w is
     not stepped (the gradient statistics stay those of one point). Returns the estimates, the
-    number of scalar all_reduce calls and the monitor's stats passes per step."""
+    number of scalar all_reduce calls and the monitor's stats passes per step. ``via_attach``:
+    ``gradfuse.attach(optimizer, ddp_model, noise_scale=...)`` registers the hook and counts the
+    micro-batches by itself (the optimizer's lr is 0: w stays put)."""
     import gradfuse
     torch.manual_seed(seed)  # same mu and w on every rank
     mu = torch.randn(d)
@@ -20,8 +22,12 @@ def quadratic_ddp(rank, world, d, s, g_norm, batch, steps, accumulate=1, seed=0)
         model.weight.copy_((mu + g_norm * direction)[:, None])
     ddp = nn.parallel.DistributedDataParallel(model)
     ns = gradfuse.NoiseScale(batch_size=batch, beta=0.998)
-    ns.register_ddp(ddp)
-    mon = gradfuse.GradMonitor(ddp.module, every=0, on_nonfinite="ignore", noise_scale=ns)
+    if via_attach:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+        handle = gradfuse.attach(opt, ddp, every=0, on_nonfinite="ignore", noise_scale=ns)
+    else:
+        ns.register_ddp(ddp)
+        mon = gradfuse.GradMonitor(ddp.module, every=0, on_nonfinite="ignore", noise_scale=ns)
     gen = torch.Generator().manual_seed(1000 + 10 * seed + rank)  # each rank its own examples
     calls = []
     real = dist.all_reduce
@@ -43,10 +49,17 @@ def quadratic_ddp(rank, world, d, s, g_norm, batch, steps, accumulate=1, seed=0)
                     w = ddp(one)  # [batch, d], every row is w
                     loss = 0.5 * (w - x).square().sum(1).mean() / accumulate
                     loss.backward()
-                mon.micro_step()
-            mon.step()
+                if not via_attach:
+                    mon.micro_step()
+            if via_attach:
+                opt.step()
+                opt.zero_grad()
+            else:
+                mon.step()
     finally:
         dist.all_reduce = real
+    if via_attach:
+        handle.detach()
     v = ns.host_values()
     return {"ratio": v["noise_scale"] / (d * s * s / g_norm ** 2), "G2": v["G2"] / g_norm ** 2,
             "trSigma": v["trSigma"] / (d * s * s), "all_reduce_calls": len(calls), "steps": steps,

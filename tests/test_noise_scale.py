@@ -168,7 +168,8 @@ def test_ddp_two_gloo_ranks_estimate_within_10_percent(tmp_path):
     import noise_scale_workers
     cases = {"B16": dict(d=64, s=1.0, g_norm=2.0, batch=4, steps=400),
              "B32": dict(d=64, s=1.0, g_norm=math.sqrt(2.0), batch=4, steps=400),
-             "accumulate": dict(d=64, s=1.0, g_norm=2.0, batch=4, steps=300, accumulate=2)}
+             "attach_accumulate": dict(d=64, s=1.0, g_norm=2.0, batch=4, steps=300, accumulate=2,
+                                       via_attach=True)}
     mp.spawn(noise_scale_workers.worker, args=(2, str(tmp_path / "init"), str(tmp_path), cases),
              nprocs=2, join=True)
     for name, case in cases.items():
