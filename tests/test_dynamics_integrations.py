@@ -162,3 +162,31 @@ def test_transformers_accumulation_noise_scale_and_update_ratios(tmp_path):
         for layer, value in want.items():
             assert value > 1e-4
             assert h[f"update_ratio/{layer}"] == pytest.approx(value, rel=1e-4)
+
+
+def test_attach_with_grad_scaler_takes_the_loss_scale_out():
+    # Micro-batch norms are taken on scaled gradients (2^12 x), the step's norm after the
+    # monitor's fused unscale: without taking the scale out, the estimate would be off by 2^24.
+    torch.manual_seed(0)
+    d, batch, k = 64, 4, 4
+    mu = torch.randn(d)
+    w = nn.Parameter(mu + 2.0 * nn.functional.normalize(torch.randn(d), dim=0))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=10 ** 6)
+    handle = gradfuse.attach(opt, scaler=scaler, every=0,
+                             noise_scale=gradfuse.NoiseScale(batch_size=batch, beta=0.998,
+                                                             accumulation_steps=k))
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(300):
+        for _ in range(k):
+            x = mu + torch.randn(batch, d, generator=gen)
+            scaler.scale(0.5 * (w - x).square().sum(1).mean() / k).backward()
+        assert float(w.grad.norm()) > 100  # really scaled
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    handle.detach()
+    ns = handle.monitor.noise_scale
+    assert ns.updates == 300
+    assert ns.host_values()["noise_scale"] == pytest.approx(16.0, rel=0.10)
+    assert ns.host_values()["G2"] == pytest.approx(4.0, rel=0.10)
