@@ -120,6 +120,22 @@ class GradfuseCallback(Callback):
         # Before the first step: without a closure-free precision plugin the optimizer's step()
         # is entered before the backward, so the gate must be in place already.
         self._gates = [StepGate(opt, self._take_decision) for opt in trainer.optimizers]
+        self._register_noise_scale_ddp_hook(trainer, pl_module)
+
+    def _register_noise_scale_ddp_hook(self, trainer, pl_module) -> None:
+        # Noise scale under DDP: the bucket norms before the all-reduce (gradfuse.noise_scale).
+        if not self.monitor_kwargs.get("noise_scale") or len(trainer.optimizers) != 1:
+            return
+        import torch
+        ddp = getattr(trainer.strategy, "model", None)
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return
+        mon = self._monitor_for(trainer, pl_module, trainer.optimizers[0])
+        try:
+            mon.noise_scale.register_ddp(ddp)
+        except RuntimeError as e:  # a comm hook of the strategy's own (ddp_comm_hook=...)
+            warn(f"gradfuse GradfuseCallback: the noise scale's DDP hook could not be registered ({e}); "
+                 "the noise scale then comes from gradient accumulation only")
 
     def _take_decision(self, optimizer) -> bool:
         return self._skip.pop(id(optimizer), False)
