@@ -83,6 +83,12 @@ class GradfuseCallback(TrainerCallback):
             from gradfuse.noise_scale import configure
             configure(self.monitor.noise_scale, batch_size=args.per_device_train_batch_size,
                       accumulation_steps=args.gradient_accumulation_steps)
+        ns = self.monitor.noise_scale
+        wrapped = getattr(trainer, "model_wrapped", None)
+        import torch
+        if (ns is not None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+                and ns._ddp_handle is not wrapped):
+            ns.register_ddp(wrapped)  # bucket norms before the all-reduce (gradfuse.noise_scale)
         saved = (state.stateful_callbacks or {}).get(STATE_KEY)
         if saved and state.global_step > 0:  # resuming from a checkpoint
             self.monitor.load_state_dict(saved)
