@@ -3,6 +3,7 @@ fused stats passes counted per step (the op, however it is reached), and the tim
 against the monitor without these options, all variants interleaved in one process, medians.
 
     python benchmarks/dynamics_cost.py [--layers 4] [--vocab 8192] [--rounds 15] [--accumulate 4]
+                                       [--d 768] [--ctx 1024]
 
 The parameter set is GPT-2-small-shaped (gradfuse.workloads.gpt2_small with fewer layers and a
 smaller vocabulary by default, so that parameters, gradients and AdamW's two moments fit a shared
@@ -39,11 +40,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--accumulate", type=int, default=4)
+    ap.add_argument("--d", type=int, default=768, help="model width (smoke runs: small)")
+    ap.add_argument("--ctx", type=int, default=1024)
     args = ap.parse_args(argv)
     k = args.accumulate
     gen = torch.Generator().manual_seed(0)
     named = [(name, torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02))
-             for name, shape in wl.gpt2_small(layers=args.layers, vocab=args.vocab)]
+             for name, shape in wl.gpt2_small(layers=args.layers, d=args.d, vocab=args.vocab, ctx=args.ctx)]
     params = [p for _, p in named]
     grads = [[torch.randn_like(p) * 1e-3 for p in params] for _ in range(k)]
     n = sum(p.numel() for p in params)

@@ -2,7 +2,6 @@
 Face Trainer integration (micro-batch boundaries seen by each; update ratios against copies of
 the parameters taken around the real optimizer step)."""
 import math
-import warnings
 
 import pytest
 import torch
@@ -190,3 +189,19 @@ def test_attach_with_grad_scaler_takes_the_loss_scale_out():
     assert ns.updates == 300
     assert ns.host_values()["noise_scale"] == pytest.approx(16.0, rel=0.10)
     assert ns.host_values()["G2"] == pytest.approx(4.0, rel=0.10)
+
+
+def test_dynamics_benchmark_runs_and_counts_passes():
+    # A tiny untimed-in-spirit run of benchmarks/dynamics_cost.py, so it cannot rot.
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "benchmarks/dynamics_cost.py", "--layers", "1", "--d", "32",
+                           "--vocab", "64", "--ctx", "16", "--rounds", "2"], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert rows["monitor"] == "1" and rows["monitor+noise_scale"] == "2"
+    assert rows["monitor, logging step"] == "1" and rows["monitor+update_ratios, logging step"] == "3"
