@@ -57,11 +57,14 @@ def _sgd_updates(group: dict, state: dict, params, grads) -> list[torch.Tensor]:
     d = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else list(grads)
     if momentum != 0:
         bufs = [state.get(p, {}).get("momentum_buffer") for p in params]
-        new = []
-        for b, di in zip(bufs, d):
-            new.append(di.clone() if b is None else b.mul(momentum).add_(di, alpha=1 - dampening))
+        if all(b is not None for b in bufs):  # one foreach op each, not one op per tensor
+            new = torch._foreach_mul(bufs, momentum)
+            torch._foreach_add_(new, d, alpha=1 - dampening)
+        else:  # the first step: the buffer starts as the gradient
+            new = [di.clone() if b is None else b.mul(momentum).add_(di, alpha=1 - dampening)
+                   for b, di in zip(bufs, d)]
         d = torch._foreach_add(d, new, alpha=momentum) if group.get("nesterov", False) else new
-    return torch._foreach_mul(d, -lr)
+    return list(torch._foreach_mul(d, -lr))
 
 
 def _adam_updates(group: dict, state: dict, params, grads, decoupled_default: bool) -> list[torch.Tensor]:
@@ -72,23 +75,30 @@ def _adam_updates(group: dict, state: dict, params, grads, decoupled_default: bo
         grads = torch._foreach_neg(grads)
     if wd != 0 and not decoupled:
         grads = torch._foreach_add(grads, params, alpha=wd)
-    out = []
-    for p, g in zip(params, grads):
-        st = state.get(p, {})
-        t = (_scalar(st["step"]) if "step" in st else 0.0) + 1.0
-        m = st.get("exp_avg")
-        v = st.get("exp_avg_sq")
-        m = g.mul(1 - beta1) if m is None else m.lerp(g, 1 - beta1)
-        v = g.square().mul_(1 - beta2) if v is None else v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        if group.get("amsgrad", False) and st.get("max_exp_avg_sq") is not None:
-            v = torch.maximum(st["max_exp_avg_sq"], v)
-        bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-        denom = v.sqrt_().div_(math.sqrt(bc2)).add_(eps)
-        u = m.div_(denom).mul_(-lr / bc1)
-        if wd != 0 and decoupled:
-            u.add_(p, alpha=-lr * wd)
-        out.append(u)
-    return out
+    states = [state.get(p, {}) for p in params]
+    steps = [(_scalar(st["step"]) if "step" in st else 0.0) + 1.0 for st in states]
+    if all("exp_avg" in st and "exp_avg_sq" in st for st in states):  # foreach: a few ops in all
+        m = torch._foreach_lerp([st["exp_avg"] for st in states], grads, 1 - beta1)
+        v = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+    else:  # the first step: moments start at zero
+        m = [g.mul(1 - beta1) if "exp_avg" not in st else st["exp_avg"].lerp(g, 1 - beta1)
+             for st, g in zip(states, grads)]
+        v = [g.square().mul_(1 - beta2) if "exp_avg_sq" not in st
+             else st["exp_avg_sq"].mul(beta2).addcmul_(g, g, value=1 - beta2) for st, g in zip(states, grads)]
+    m, v = list(m), list(v)
+    if group.get("amsgrad", False):
+        for i, st in enumerate(states):
+            if st.get("max_exp_avg_sq") is not None:
+                v[i] = torch.maximum(st["max_exp_avg_sq"], v[i])
+    torch._foreach_sqrt_(v)
+    torch._foreach_div_(v, [math.sqrt(1 - beta2 ** t) for t in steps])
+    torch._foreach_add_(v, eps)
+    torch._foreach_div_(m, v)
+    torch._foreach_mul_(m, [-lr / (1 - beta1 ** t) for t in steps])
+    if wd != 0 and decoupled:
+        torch._foreach_add_(m, params, alpha=-lr * wd)
+    return m
 
 
 def planned_updates(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
