@@ -12,6 +12,7 @@ from gradfuse.clipping import ZClip, adaptive_clip_grad_, clip_grad_value_
 from gradfuse.grad_stats import GradStats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
+from gradfuse.noise_scale import NoiseScale
 from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
                             WandbSink)
 from gradfuse.grad_watch import GradWatch, watch
@@ -19,7 +20,7 @@ from gradfuse.grad_watch import GradWatch, watch
 __version__ = "0.1.0"
 
 __all__ = ["Attachment", "GradMonitor", "GradStats", "GradWatch", "GradientAnomaly", "JsonlSink",
-           "LoggingSink", "MetricsSink", "PrometheusSink", "StepReport", "TensorBoardSink",
+           "LoggingSink", "MetricsSink", "NoiseScale", "PrometheusSink", "StepReport", "TensorBoardSink",
            "WandbSink", "attach", "backend", "build_info", "clip_", "clip_grad_norm_",
            "clip_grads_with_norm_", "get_total_norm", "stats", "tensor_stats", "unscale_clip_",
            "watch", "__version__"]

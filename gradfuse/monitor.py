@@ -138,6 +138,13 @@ class GradMonitor:
             ``headroom/<layer>/<column>``), of the gradients as the optimizer gets them (after
             unscaling and clipping): two more fused passes on logging steps only
             (see :mod:`gradfuse.headroom`).
+        noise_scale: True or a :class:`gradfuse.NoiseScale`: the gradient noise scale, logged as
+            ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
+            :mod:`gradfuse.noise_scale`; call :meth:`micro_step` after each backward under
+            gradient accumulation, or register the DDP hook).
+        update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
+            ratios and weight norms on logging steps, ``update_ratio/<layer>``,
+            ``weight_norm/<layer>`` (see :mod:`gradfuse.update_ratio`).
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -151,7 +158,8 @@ class GradMonitor:
                  sinks=(), layer_depth: int | None = None, scaler=None, optimizer=None,
                  enabled: bool = True, start_step: int = 0, histogram: bool = False,
                  per: str | None = None, clip_value: float | None = None, agc: float | None = None,
-                 agc_eps: float = 1e-3, check_double_clip: bool = True):
+                 agc_eps: float = 1e-3, check_double_clip: bool = True,
+                 noise_scale=False, update_ratios=False):
         for name, value in (("on_nonfinite", on_nonfinite), ("on_explode", on_explode)):
             if value not in POLICIES:
                 raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
@@ -206,6 +214,10 @@ class GradMonitor:
         self._restored = False
         self._started = False
         self._last_report: StepReport | None = None
+        self.dynamics = None  # gradfuse.dynamics: noise scale, update ratios
+        if noise_scale or update_ratios:
+            from gradfuse.dynamics import Dynamics
+            self.dynamics = Dynamics(self, noise_scale, update_ratios)
 
     @property
     def clipped_steps(self) -> int:
@@ -338,6 +350,8 @@ class GradMonitor:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
             self._clipped = clipped.to(torch.int64) if self._clipped is None else self._clipped + clipped
+        if self.dynamics is not None:
+            self.dynamics.on_step(self, report, log_now)
         if log_now or (report.anomalies and policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
@@ -389,6 +403,17 @@ class GradMonitor:
             return s
         return clipping.monitor_clip_(s, (self._watch.names, self._watch.params),
                                       {"per": self.per, "layer_depth": self.layer_depth}, max_norm)
+    def micro_step(self) -> None:
+        """Says a micro-batch's backward has finished (gradient accumulation), for the noise
+        scale: call it after each ``backward()``; the first micro-batch's squared norm is taken
+        by one fused pass on steps that accumulate. Does nothing without ``noise_scale``."""
+        if self.enabled and self.dynamics is not None:
+            self.dynamics.micro_step(self)
+
+    @property
+    def noise_scale(self):
+        """The :class:`gradfuse.NoiseScale` estimator, or None."""
+        return None if self.dynamics is None else self.dynamics.noise_scale
 
     def _describe(self, s: GradStats, anomalies: list[str]) -> str:
         d = s.to_dict()
@@ -417,6 +442,7 @@ class GradMonitor:
     def record(self, report: StepReport, event: bool = False) -> dict:
         """The record the sinks get for ``report`` (reads its statistics: one transfer)."""
         d = report.stats.to_dict()
+        extra = {} if self.dynamics is None else self.dynamics.record(report)
         return {
             "step": report.step,
             "total_norm": d["total_norm"],
@@ -433,6 +459,7 @@ class GradMonitor:
             "params": d["params"],
             "layers": report.stats.layers(self.layer_depth),
             **(self._headroom_fields() if self.histogram else {}),
+            **extra,
         }
 
     def _headroom_fields(self) -> dict:
@@ -503,6 +530,8 @@ class GradMonitor:
         state.update({name: getattr(self, name) for name in COUNTERS})
         if isinstance(self.max_norm, clipping.ZClip):
             state["zclip"] = self.max_norm.state_dict()
+        if self.dynamics is not None:
+            state["dynamics"] = self.dynamics.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -517,6 +546,8 @@ class GradMonitor:
         for name in COUNTERS:
             setattr(self, name, int(state[name]))
         self._clipped_restored = int(state["clipped_steps"])
+        if self.dynamics is not None and "dynamics" in state:
+            self.dynamics.load_state_dict(state["dynamics"])
         self._clipped = None
         self._restored = True
         if isinstance(self.max_norm, clipping.ZClip) and "zclip" in state:

@@ -123,7 +123,9 @@ def metrics(record: dict) -> dict[str, float]:
     """A record as flat metric names -> numbers, for metric loggers: ``grad/total_norm``,
     ``grad/clip_coef``, ``grad/clipped`` (this step), the run's counters (``grad/clipped_steps``,
     ``grad/skipped_steps``, ``grad/nonfinite_steps``, ...), and per layer ``grad_l2/<layer>``,
-    ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``."""
+    ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``; with the monitor's options
+    ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma``,
+    ``update_ratio/<layer>``, ``weight_norm/<layer>``."""
     m = {
         "grad/total_norm": record["total_norm"],
         "grad/nonfinite": float(record["nonfinite"]),
@@ -142,6 +144,14 @@ def metrics(record: dict) -> dict[str, float]:
     for layer, columns in record.get("headroom", {}).items():  # GradMonitor(histogram=True)
         for column, value in columns.items():
             m[f"headroom/{layer}/{column}"] = value
+    # GradMonitor(noise_scale=..., update_ratios=...): gradfuse.dynamics
+    ns = record.get("noise_scale")
+    if ns:
+        m.update({"grad/noise_scale": ns["noise_scale"], "grad/noise_scale_G2": ns["G2"],
+                  "grad/noise_scale_trSigma": ns["trSigma"]})
+    for key in ("update_ratio", "weight_norm"):
+        for layer, value in (record.get(key) or {}).items():
+            m[f"{key}/{layer}"] = value
     return m
 
 

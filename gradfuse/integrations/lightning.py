@@ -42,6 +42,16 @@ def _log_step(trainer) -> int:
     return getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
 
 
+def _batch_size(batch) -> int | None:
+    # Examples in a batch: the length of its first tensor (a tensor, a tuple/list or a dict of them).
+    import torch
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()), None)
+    elif isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    return len(batch) if isinstance(batch, torch.Tensor) and batch.dim() > 0 else None
+
+
 def _should_log(trainer) -> bool:
     # The decision Lightning takes for its own training metrics of this batch (log_every_n_steps).
     connector = getattr(trainer, "_logger_connector", None)
@@ -65,7 +75,9 @@ class GradfuseCallback(Callback):
             (restored afterwards). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor.
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
-            ``layer_depth`` (see :class:`GradMonitor`).
+            ``layer_depth``, ``noise_scale``, ``update_ratios`` (see :class:`GradMonitor`).
+            ``update_ratios=True`` takes the optimizer; ``noise_scale=True`` counts micro-batches
+            in ``on_after_backward`` (in examples: the first tensor of the batch).
 
     AMP: the scaler of a ``16-mixed`` precision plugin is handed to the monitor, so an overflow
     is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
@@ -115,6 +127,22 @@ class GradfuseCallback(Callback):
         # Before the first step: without a closure-free precision plugin the optimizer's step()
         # is entered before the backward, so the gate must be in place already.
         self._gates = [StepGate(opt, self._take_decision) for opt in trainer.optimizers]
+        self._register_noise_scale_ddp_hook(trainer, pl_module)
+
+    def _register_noise_scale_ddp_hook(self, trainer, pl_module) -> None:
+        # Noise scale under DDP: the bucket norms before the all-reduce (gradfuse.noise_scale).
+        if not self.monitor_kwargs.get("noise_scale") or len(trainer.optimizers) != 1:
+            return
+        import torch
+        ddp = getattr(trainer.strategy, "model", None)
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return
+        mon = self._monitor_for(trainer, pl_module, trainer.optimizers[0])
+        try:
+            mon.noise_scale.register_ddp(ddp)
+        except RuntimeError as e:  # a comm hook of the strategy's own (ddp_comm_hook=...)
+            warn(f"gradfuse GradfuseCallback: the noise scale's DDP hook could not be registered ({e}); "
+                 "the noise scale then comes from gradient accumulation only")
 
     def _take_decision(self, optimizer) -> bool:
         return self._skip.pop(id(optimizer), False)
@@ -126,14 +154,33 @@ class GradfuseCallback(Callback):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             prefix = f"optimizer_{index}/" if len(trainer.optimizers) > 1 else ""
             sinks = (self.sinks if trainer.is_global_zero else []) + [LightningLoggerSink(trainer, prefix)]
+            kwargs = dict(self.monitor_kwargs)
+            if kwargs.get("update_ratios") is True:
+                kwargs["update_ratios"] = optimizer
             mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
-                              sinks=sinks, **self.monitor_kwargs)
+                              sinks=sinks, **kwargs)
             mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
+            from gradfuse.noise_scale import configure
+            configure(mon.noise_scale, accumulation_steps=trainer.accumulate_grad_batches)
             if index in self._saved:
                 mon.load_state_dict(self._saved.pop(index))
             self.monitors[index] = mon
         return mon
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_size = _batch_size(batch)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # A micro-batch's backward (Lightning divides each loss by accumulate_grad_batches: the
+        # noise scale's "mean" accumulation). One optimizer only: with several (manual
+        # optimization) the backward is not tied to one of them.
+        if not self.monitor_kwargs.get("noise_scale") or len(trainer.optimizers) != 1:
+            return
+        mon = self._monitor_for(trainer, pl_module, trainer.optimizers[0])
+        from gradfuse.noise_scale import configure
+        configure(mon.noise_scale, batch_size=getattr(self, "_batch_size", None))
+        mon.micro_step()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         mon = self._monitor_for(trainer, pl_module, optimizer)

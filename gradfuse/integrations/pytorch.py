@@ -112,9 +112,19 @@ class Attachment:
         # One optimizer: the monitor unscales itself, fused with its statistics (one read, one
         # write) unless scaler.unscale_ ran already. Several: each is unscaled with scaler.unscale_.
         fused = scaler is not None and len(optimizers) == 1
+        if monitor_kwargs.get("update_ratios") is True:  # the optimizers attached to
+            monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
+        # Noise scale: micro-batch boundaries from the backward passes themselves; under DDP
+        # (model= a DistributedDataParallel) the bucket norms from a communication hook.
+        self._backward_ends = None
+        if self.monitor.noise_scale is not None:
+            from gradfuse.noise_scale import BackwardEnds
+            self._backward_ends = BackwardEnds([p for _, p in named], self.monitor.micro_step)
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                self.monitor.noise_scale.register_ddp(model)
         self.last_report: StepReport | None = None
         self._skip = False
         self._pending: set[int] = set()  # optimizers still to step under the current decision
@@ -177,6 +187,9 @@ class Attachment:
         for gate in self._gates:
             gate.remove()
         self._gates = []
+        if self._backward_ends is not None:
+            self._backward_ends.remove()
+            self._backward_ends = None
         if self._scaler_step is not None:
             if self.scaler.__dict__.get("step") is self._scaler_step:
                 if self._previous_scaler_step is None:
@@ -221,7 +234,10 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
             ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
             schedule or a :class:`gradfuse.ZClip`, and ``per``, ``clip_value``, ``agc`` choose
-            other clipping modes, see :mod:`gradfuse.clipping`).
+            other clipping modes, see :mod:`gradfuse.clipping`). ``update_ratios=True``
+            takes the attached optimizers; ``noise_scale=True`` counts micro-batches by the
+            backward passes themselves (no call in the loop; gradient accumulation is seen), and
+            with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):

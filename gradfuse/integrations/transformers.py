@@ -74,11 +74,23 @@ class GradfuseCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)
         if self.monitor is None:
+            kwargs = dict(self.monitor_kwargs)
+            if kwargs.get("update_ratios") is True:
+                kwargs["update_ratios"] = inner
             self.monitor = GradMonitor(
                 named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
                 scaler=scaler, optimizer=inner if scaler is not None else None,
-                sinks=self.sinks if trainer.is_world_process_zero() else [], **self.monitor_kwargs)
+                sinks=self.sinks if trainer.is_world_process_zero() else [], **kwargs)
             self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
+            from gradfuse.noise_scale import configure
+            configure(self.monitor.noise_scale, batch_size=args.per_device_train_batch_size,
+                      accumulation_steps=args.gradient_accumulation_steps)
+        ns = self.monitor.noise_scale
+        wrapped = getattr(trainer, "model_wrapped", None)
+        import torch
+        if (ns is not None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+                and ns._ddp_handle is not wrapped):
+            ns.register_ddp(wrapped)  # bucket norms before the all-reduce (gradfuse.noise_scale)
         saved = (state.stateful_callbacks or {}).get(STATE_KEY)
         if saved and state.global_step > 0:  # resuming from a checkpoint
             self.monitor.load_state_dict(saved)
@@ -111,8 +123,22 @@ class GradfuseCallback(TrainerCallback):
         if self._ran_at != step:
             self._ran_at = step
             self.monitor.step_count = step + 1  # the number the Trainer gives this update
+            dynamics = self.monitor.dynamics
+            if dynamics is not None:
+                dynamics.micro_step(self.monitor)  # the last micro-batch of this update
+                # Update ratios are taken now, before the step, for the log written after it.
+                args, n = self.trainer.args, step + 1
+                dynamics.capture_next = bool(
+                    (n == 1 and args.logging_first_step) or (
+                        str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "steps"
+                        and self.trainer.state.logging_steps and n % self.trainer.state.logging_steps == 0))
             self.last_report = self.monitor.step(log=False)
         return self.last_report
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        # A micro-batch's backward that is not the last of its update (gradient accumulation).
+        if self.monitor is not None:
+            self.monitor.micro_step()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._skip_next = self._run_monitor().skip
@@ -190,7 +216,9 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip instead.
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
-            ``layer_depth`` (see :class:`GradMonitor`).
+            ``layer_depth``, ``noise_scale``, ``update_ratios`` (see :class:`GradMonitor`).
+            ``update_ratios=True`` takes the Trainer's optimizer; ``noise_scale=True`` counts the
+            micro-batches of gradient accumulation, in examples of ``per_device_train_batch_size``.
     """
     callback = GradfuseCallback(trainer, max_norm, sinks=sinks, **monitor_kwargs)
     callbacks = trainer.callback_handler.callbacks

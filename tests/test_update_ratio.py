@@ -1,0 +1,137 @@
+"""Update-to-weight ratios (gradfuse.update_ratio): per layer |w_after - w_before| / |w_before|
+from the monitor, against the parameters copied in the test around the real optimizer.step()."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradfuse
+from gradfuse.sinks import metrics
+from gradfuse.update_ratio import planned_updates
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(12, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+    "sgd_nesterov_maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                                       weight_decay=1e-2, maximize=True),
+    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.1),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, betas=(0.8, 0.9)),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam_decoupled": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+}
+
+
+def reference_ratios(before, after, names):
+    """Per layer (as GradStats.layers groups), in float64 from the copied fp32 parameters."""
+    from gradfuse.grad_stats import layer_of
+    u2, w2 = {}, {}
+    for name in names:
+        key = layer_of(name)
+        u2[key] = u2.get(key, 0.0) + float((after[name].double() - before[name].double()).square().sum())
+        w2[key] = w2.get(key, 0.0) + float(before[name].double().square().sum())
+    return {k: math.sqrt(u2[k]) / math.sqrt(w2[k]) for k in u2}, {k: math.sqrt(w2[k]) for k in w2}
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_ratios_equal_copied_parameters(kind):
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[kind](model.parameters())
+    mon = gradfuse.GradMonitor(model, every=1, max_norm=0.5, update_ratios=opt, sinks=[])
+    logged = []
+    mon.sinks.append(type("Keep", (), {"write": lambda self, r: logged.append(r)})())
+    x, y = torch.randn(64, 12), torch.randn(64, 3)
+    compared = 0
+    for step in range(6):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 3:
+            model.head.bias.grad = None  # a parameter the step leaves alone: update 0
+        mon.step()  # clips first: the update is that of the clipped gradients
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ratios, norms = reference_ratios(before, after, before)
+        record = logged[-1]
+        assert record["step"] == step
+        assert set(record["update_ratio"]) == set(ratios) == {"layers.0", "layers.1", "head"}
+        for layer, want in ratios.items():
+            # Something moved: 1e-4 .. 1 of the weights; float32 rounding of w + u is at most
+            # 2^-24 |w| per element, i.e. 6e-8 / ratio relative to the update norm.
+            assert 1e-4 < want < 1.0, (layer, want)
+            assert record["update_ratio"][layer] == pytest.approx(want, rel=2e-5, abs=0), (kind, step, layer)
+            assert record["weight_norm"][layer] == pytest.approx(norms[layer], rel=1e-6)  # fp32 chunk sums
+            compared += 1
+        m = metrics(record)
+        assert m["update_ratio/head"] == record["update_ratio"]["head"]
+        assert m["weight_norm/layers.0"] == record["weight_norm"]["layers.0"]
+    assert compared == 18
+    assert mon.dynamics.update_ratios.passes == 12  # two fused passes per logging step
+
+
+def test_planned_update_per_parameter_bitwise_close():
+    torch.manual_seed(1)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 12)).square().mean().backward()
+        planned = {id(p): u for p, u in planned_updates(opt)}
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        for p, b in zip(model.parameters(), before):
+            torch.testing.assert_close(planned[id(p)], p.detach() - b, rtol=0, atol=2e-7)
+            assert planned[id(p)].abs().max() > 1e-4  # a real update
+
+
+def test_only_logging_steps_pay_and_skipped_steps_have_ratio_zero():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    mon = gradfuse.GradMonitor(model, every=3, update_ratios=opt, sinks=[sink])
+    for step in range(7):
+        opt.zero_grad()
+        model(torch.randn(4, 12)).sum().backward()
+        if step == 6:
+            model.head.weight.grad[0, 0] = math.nan
+            with pytest.warns(RuntimeWarning, match="skipped"):
+                assert mon.step().skip
+        else:
+            mon.step()
+            opt.step()
+    assert mon.dynamics.update_ratios.passes == 2 * 2 + 1  # steps 0, 3; step 6 skipped: weights only
+    assert [r["step"] for r in logged] == [0, 3, 6]
+    assert all(v == 0.0 for v in logged[-1]["update_ratio"].values())
+    assert all(v > 0 for v in logged[-1]["weight_norm"].values())
+
+
+def test_other_optimizers_say_not_available():
+    model = Net()
+    opt = torch.optim.RMSprop(model.parameters())
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    with pytest.warns(RuntimeWarning, match="not available for RMSprop"):
+        mon = gradfuse.GradMonitor(model, every=1, update_ratios=opt, sinks=[sink])
+    model(torch.randn(4, 12)).sum().backward()
+    mon.step()
+    assert "update_ratio" not in logged[0]
+    assert "SGD, Adam, AdamW" in logged[0]["update_ratio_unavailable"]
+    assert not any(k.startswith("update_ratio/") for k in metrics(logged[0]))
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        gradfuse.GradMonitor(model, update_ratios=True)
