@@ -112,6 +112,8 @@ class Attachment:
         # One optimizer: the monitor unscales itself, fused with its statistics (one read, one
         # write) unless scaler.unscale_ ran already. Several: each is unscaled with scaler.unscale_.
         fused = scaler is not None and len(optimizers) == 1
+        if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
+            monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
                                    **monitor_kwargs)
         self.last_report: StepReport | None = None
@@ -218,13 +220,14 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             anomalies), and with one optimizer it unscales the gradients itself, fused with its
             statistics (a prior ``scaler.unscale_(optimizer)`` is fine too).
         **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
-            ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...).
+            ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...). ``activations=True``
+            and ``trace_nonfinite=True`` need ``model`` (their hooks go on its modules).
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("gradfuse.attach: expected a torch.optim.Optimizer or a list of them, got "
                         f"{type(optimizer).__name__}")
-    for key in ("optimizer", "model"):
+    for key in ("optimizer", "model", "module"):
         if key in monitor_kwargs:
             raise TypeError(f"gradfuse.attach: {key}= is set by attach itself")
     return Attachment(optimizers, model, scaler, monitor_kwargs)

@@ -73,10 +73,12 @@ class GradfuseCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)
         if self.monitor is None:
+            hooks = self.monitor_kwargs.get("activations") or self.monitor_kwargs.get("trace_nonfinite")
             self.monitor = GradMonitor(
                 named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
                 scaler=scaler, optimizer=inner if scaler is not None else None,
-                sinks=self.sinks if trainer.is_world_process_zero() else [], **self.monitor_kwargs)
+                sinks=self.sinks if trainer.is_world_process_zero() else [],
+                **({"module": trainer.model} if hooks else {}), **self.monitor_kwargs)
         saved = (state.stateful_callbacks or {}).get(STATE_KEY)
         if saved and state.global_step > 0:  # resuming from a checkpoint
             self.monitor.load_state_dict(saved)
@@ -111,6 +113,14 @@ class GradfuseCallback(TrainerCallback):
             self.monitor.step_count = step + 1  # the number the Trainer gives this update
             self.last_report = self.monitor.step(log=False)
         return self.last_report
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
+        if self.monitor is not None and self.monitor._act_hooks is not None:
+            coming = state.global_step + 1
+            logged = (coming == 1 and args.logging_first_step) or (
+                args.logging_strategy == "steps" and state.logging_steps and coming % state.logging_steps == 0)
+            self.monitor.arm_activations(full=bool(logged))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._skip_next = self._run_monitor().skip
@@ -157,6 +167,8 @@ class GradfuseCallback(TrainerCallback):
         if self._gate is not None:
             self._gate.remove()
             self._gate = None
+        if self.monitor is not None and self.monitor._act_hooks is not None:
+            self.monitor._act_hooks.take()  # no activation hook outlives train()
         if self._original_clip is not None:
             had_own, original = self._original_clip
             accelerator = self.trainer.accelerator
@@ -186,7 +198,8 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``).
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
-            ``layer_depth`` (see :class:`GradMonitor`).
+            ``layer_depth``, ``activations``, ``trace_nonfinite`` (see :class:`GradMonitor`; the
+            activation hooks go on ``trainer.model`` for the updates the Trainer logs).
     """
     callback = GradfuseCallback(trainer, max_norm, sinks=sinks, **monitor_kwargs)
     callbacks = trainer.callback_handler.callbacks
