@@ -48,6 +48,7 @@ import difflib
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -211,11 +212,14 @@ class ActivationStats(GradStats):
 
 class _Event:
     """What one hook call left: the rows of one module call (device tensors, no activation)."""
-    __slots__ = ("module", "names", "floats", "counts", "dead", "units")
+    __slots__ = ("module", "names", "floats", "counts", "dead", "units", "producer")
 
-    def __init__(self, module, names, floats, counts, dead, units):
+    def __init__(self, module, names, floats, counts, dead, units, producer=None):
         self.module, self.names, self.floats, self.counts = module, names, floats, counts
         self.dead, self.units = dead, units
+        # backward: the first watched module that output this very value (a block returns its
+        # last child's output tensor; the child produced it)
+        self.producer = producer
 
 
 def _resolve_modules(model: nn.Module, modules) -> list[tuple[str, nn.Module]]:
@@ -232,7 +236,9 @@ def _resolve_modules(model: nn.Module, modules) -> list[tuple[str, nn.Module]]:
             key = "" if item == ROOT_NAME else item
             if key not in by_name:
                 close = difflib.get_close_matches(item, [n for n in by_name if n], n=3)
-                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                names = [n for n in by_name if n]
+                hint = (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                        f"; its modules: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
                 raise ValueError(f"gradfuse.capture_activations: the model has no module named "
                                  f"{item!r}{hint}")
             out.append((item if key else ROOT_NAME, by_name[key]))
@@ -282,7 +288,6 @@ class ActivationCapture:
         self.full = stats  # False: only the non-finite counts (trace mode)
         self.training_only = training_only
         self._watched = _resolve_modules(model, modules)
-        self._leaf = {name: next(m.children(), None) is None for name, m in self._watched}
         self._handles: list = []
         self._tensor_handles: list = []
         self._fwd: list[_Event] = []
@@ -291,6 +296,10 @@ class ActivationCapture:
         self.skipped: dict[str, str] = {}
         self._cache: dict = {}
         self._armed = False
+        # (id, version) of output tensors -> the module that output them first; the weak values
+        # keep no tensor alive and drop ids that a freed tensor could hand on
+        self._alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._producer: dict = {}
 
     # -- hooks ---------------------------------------------------------------------------------
     def arm(self) -> "ActivationCapture":
@@ -313,6 +322,8 @@ class ActivationCapture:
         for h in handles + tensor_handles:
             h.remove()
         self._armed = False
+        self._alive = weakref.WeakValueDictionary()
+        self._producer = {}
 
     @property
     def hook_count(self) -> int:
@@ -377,15 +388,20 @@ class ActivationCapture:
             return
         for (suffix, t), row, d, u in zip(outs, names, dims, units):
             if t.requires_grad:
-                self._tensor_handles.append(t.register_hook(self._grad_hook(name, row, d, u)))
+                key = (id(t), t._version)  # an in-place op makes a new value of the same tensor
+                if self._alive.get(key) is not t:
+                    self._alive[key] = t
+                    self._producer[key] = name
+                hook = self._grad_hook(name, row, d, u, self._producer[key])
+                self._tensor_handles.append(t.register_hook(hook))
 
-    def _grad_hook(self, name: str, row: str, dim: int, units: int):
+    def _grad_hook(self, name: str, row: str, dim: int, units: int, producer: str):
         def hook(grad):
             if name in self.skipped or grad is None:
                 return None
             try:
                 floats, counts, dead = self._rows([grad.detach()], [dim])
-                self._bwd.append(_Event(name, [row], floats, counts, dead, [units]))
+                self._bwd.append(_Event(name, [row], floats, counts, dead, [units], producer))
             except Exception as e:  # noqa: BLE001 - a hook must never break the backward
                 self._fail(name, "backward", e)
             return None
@@ -466,13 +482,12 @@ class ActivationCapture:
                 if not (nan or inf):
                     continue
                 e = self._bwd[i]
-                # The last leaf module whose output gradient was still finite: its backward ran
-                # next and handed back the first non-finite gradient.
-                before = [self._bwd[bi] for bi, _, _, _ in bwd[:k] if self._leaf.get(self._bwd[bi].module)]
-                culprit = before[-1].module if before else e.module
+                # The gradient just before was finite: the backward of the module that produced
+                # that value ran next and handed back the first non-finite gradient.
+                culprit = self._bwd[bwd[k - 1][0]].producer if k else e.module
                 origin = {"kind": "backward", "module": culprit, "row": e.names[j],
                           "gradient_of": e.names[j], "nan": int(nan), "inf": int(inf),
-                          "entered": not before}
+                          "entered": k == 0}
                 break
         self._cache["origin"] = origin
         return origin
