@@ -95,14 +95,26 @@ def _floating_outputs(output, prefix: str = "", depth: int = 0) -> list[tuple[st
     return out
 
 
-def _dead_units(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Number of entries along ``dim`` that are zero everywhere else (a 0-d int64 device tensor)."""
+def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Per entry along ``dim``, how many elements are not zero (NaN is not zero): one pass on
+    the device. A unit is dead where this is 0; an empty or 0-d tensor has no units to count."""
     if t.dim() == 0 or t.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=t.device)
-    alive = t.ne(0)
-    if t.dim() > 1:
-        alive = alive.any(dim=tuple(d for d in range(t.dim()) if d != dim))
-    return (~alive).sum()
+        return torch.ones(0, dtype=torch.int64, device=t.device)
+    if t.dim() == 1:
+        return t.ne(0)
+    return torch.count_nonzero(t, dim=tuple(d for d in range(t.dim()) if d != dim))
+
+
+def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
+    """Dead units per row, from the rows' activity vectors: three device ops for all rows."""
+    lengths = [len(a) for a in activity]
+    if not activity or not sum(lengths):
+        return torch.zeros(len(activity), dtype=torch.int64,
+                           device=activity[0].device if activity else "cpu")
+    dead = torch.cat(activity).eq(0).to(torch.int64).cumsum(0)
+    ends = torch.tensor(lengths, device=dead.device).cumsum(0)
+    at_end = torch.cat([dead.new_zeros(1), dead])[ends]
+    return at_end.diff(prepend=at_end.new_zeros(1))
 
 
 class ActivationStats(GradStats):
@@ -211,7 +223,8 @@ class ActivationStats(GradStats):
 
 
 class _Event:
-    """What one hook call left: the rows of one module call (device tensors, no activation)."""
+    """What one hook call left: the rows of one module call (device tensors, no activation;
+    ``dead``: per row, the activity vector of its units)."""
     __slots__ = ("module", "names", "floats", "counts", "dead", "units", "producer")
 
     def __init__(self, module, names, floats, counts, dead, units, producer=None):
@@ -295,6 +308,7 @@ class ActivationCapture:
         self._calls: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self._cache: dict = {}
+        self._ops: dict = {}
         self._armed = False
         # (id, version) of output tensors -> the module that output them first; the weak values
         # keep no tensor alive and drop ids that a freed tensor could hand on
@@ -354,22 +368,27 @@ class ActivationCapture:
             return None
         return hook
 
+    def _stats_op(self, device: torch.device):
+        op = self._ops.get(device)
+        if op is None:  # resolved once per device: the op's Python wrapper costs as much as a small op
+            op = self._ops[device] = (torch.ops.gradfuse.multi_tensor_stats.default
+                                      if ops._ext.use_compiled(device) else ops.reference.multi_tensor_stats)
+        return op
+
     def _rows(self, tensors: list[torch.Tensor], dims: list[int]):
-        with torch.no_grad():
-            try:
-                floats, counts = ops.multi_tensor_stats(tensors, 2.0)
-            except RuntimeError:  # several dtypes or devices: one call each
-                if len(tensors) == 1:
-                    raise
-                parts = [ops.multi_tensor_stats([t], 2.0) for t in tensors]
-                dev = tensors[0].device
-                floats = torch.cat([f.to(dev) for f, _ in parts])
-                counts = torch.cat([c.to(dev) for _, c in parts])
-            if not self.full:
-                return floats, counts, None
-            dead = [_dead_units(t, d).to(counts.device) for t, d in zip(tensors, dims)]
-            dead = dead[0].reshape(1) if len(dead) == 1 else torch.stack(dead)
-        return floats, counts, dead
+        # the tensors are detached: nothing here is recorded by autograd
+        try:
+            floats, counts = self._stats_op(tensors[0].device)(tensors, 2.0)
+        except RuntimeError:  # several dtypes or devices: one call each
+            if len(tensors) == 1:
+                raise
+            parts = [self._stats_op(t.device)([t], 2.0) for t in tensors]
+            dev = tensors[0].device
+            floats = torch.cat([f.to(dev) for f, _ in parts])
+            counts = torch.cat([c.to(dev) for _, c in parts])
+        if not self.full:
+            return floats, counts, None
+        return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
 
     def _record_forward(self, name: str, module: nn.Module, output) -> None:
         outs = _floating_outputs(output)
@@ -424,7 +443,7 @@ class ActivationCapture:
         dev = events[0].floats.device
         floats = torch.cat([e.floats.to(dev) for e in events])
         counts = torch.cat([e.counts.to(dev) for e in events])
-        dead = torch.cat([e.dead.to(dev) for e in events])
+        dead = _dead_counts([a.to(dev) for e in events for a in e.dead])
         units = torch.tensor([u for e in events for u in e.units], dtype=torch.int64)
         return ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
 

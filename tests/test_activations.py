@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.activations import ROOT_NAME, capture_activations
+from gradfuse.activations import ROOT_NAME, _dead_counts, capture_activations
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -405,13 +405,13 @@ class SubclassOut(nn.Module):
 def test_a_hook_that_fails_warns_once_and_leaves_the_module_out(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     from gradfuse import activations as acts
-    real = acts._dead_units
+    real = acts._unit_activity
 
     def broken(t, dim):
         if t.shape[-1] == 2:
             raise RuntimeError("an odd output")
         return real(t, dim)
-    monkeypatch.setattr(acts, "_dead_units", broken)
+    monkeypatch.setattr(acts, "_unit_activity", broken)
     with pytest.warns(RuntimeWarning, match=r"module '2' left out \(forward hook: RuntimeError: an odd output"):
         with capture_activations(model) as cap:
             for _ in range(3):
