@@ -11,7 +11,9 @@
     side with ``torch.autograd.detect_anomaly`` on the same step.
 
 Every variant runs once per round, in a shuffled order, for ``--rounds`` rounds in one process;
-the table gives medians and the median of the per-round ratios to the baseline of the round.
+the table gives medians and the median of the per-round ratios to the baseline of the round. Time
+is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
+measures the other processes; wall-time medians are shown too.
 
     python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--smoke]
 """
@@ -218,22 +220,25 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0) -> tuple[str, d
         mon_trace._act_hooks.take()
         zero()
     times = {k: [] for k in variants}
+    walls = {k: [] for k in variants}
     rng = random.Random(seed)
     for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
         for k in order:
-            t = time.perf_counter()
+            w, t = time.perf_counter(), time.process_time()
             variants[k]()
-            times[k].append(time.perf_counter() - t)
+            times[k].append(time.process_time() - t)
+            walls[k].append(time.perf_counter() - w)
             mon_trace._act_hooks.take()
             zero()
     mon_trace.close()
-    return report(label, times, loop, cap, hooks_seen, rounds), times
+    return report(label, times, walls, loop, cap, hooks_seen, rounds), times
 
 
-def report(label, times, loop, cap, hooks_seen, rounds) -> str:
+def report(label, times, walls, loop, cap, hooks_seen, rounds) -> str:
     med = {k: statistics.median(v) for k, v in times.items()}
+    wall = {k: statistics.median(v) for k, v in walls.items()}
 
     def ratio(k, base):  # median of the per-round ratios
         return statistics.median(a / b for a, b in zip(times[k], times[base]))
@@ -251,16 +256,20 @@ def report(label, times, loop, cap, hooks_seen, rounds) -> str:
         f"**{label}**: {len(cap.forward)} forward rows and {len(cap.backward)} backward rows per step, "
         f"{act_bytes / 1e6:.1f} MB of outputs and output gradients; {rounds} rounds",
         "",
-        "| variant | median ms | vs its baseline (median of per-round ratios) |",
-        "|---|---:|---:|",
-        f"| plain forward+backward | {1e3 * med['plain']:.1f} | baseline |",
-        f"| (a) capture_activations, every module | {1e3 * med['capture']:.1f} | {ratio('capture', 'plain'):.3f}x |",
-        f"| (b) hook loop with .item() | {1e3 * med['hook_loop']:.1f} | {ratio('hook_loop', 'plain'):.3f}x |",
-        f"| detect_anomaly | {1e3 * med['detect_anomaly']:.1f} | {ratio('detect_anomaly', 'plain'):.3f}x |",
-        f"| monitor step (fwd+bwd+GradMonitor.step) | {1e3 * med['monitor']:.1f} | baseline |",
+        "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of per-round ratios) |",
+        "|---|---:|---:|---:|",
+        f"| plain forward+backward | {1e3 * med['plain']:.1f} | {1e3 * wall['plain']:.1f} | baseline |",
+        f"| (a) capture_activations, every module | {1e3 * med['capture']:.1f} | {1e3 * wall['capture']:.1f} | "
+        f"{ratio('capture', 'plain'):.3f}x |",
+        f"| (b) hook loop with .item() | {1e3 * med['hook_loop']:.1f} | {1e3 * wall['hook_loop']:.1f} | "
+        f"{ratio('hook_loop', 'plain'):.3f}x |",
+        f"| detect_anomaly | {1e3 * med['detect_anomaly']:.1f} | {1e3 * wall['detect_anomaly']:.1f} | "
+        f"{ratio('detect_anomaly', 'plain'):.3f}x |",
+        f"| monitor step (fwd+bwd+GradMonitor.step) | {1e3 * med['monitor']:.1f} | {1e3 * wall['monitor']:.1f} | baseline |",
         f"| (c) monitor, activations=True, unsampled step | {1e3 * med['monitor_activations_unsampled']:.1f} | "
-        f"{ratio('monitor_activations_unsampled', 'monitor'):.3f}x |",
-        f"| (d) monitor, trace_nonfinite=True | {1e3 * med['monitor_trace']:.1f} | {ratio('monitor_trace', 'monitor'):.3f}x |",
+        f"{1e3 * wall['monitor_activations_unsampled']:.1f} | {ratio('monitor_activations_unsampled', 'monitor'):.3f}x |",
+        f"| (d) monitor, trace_nonfinite=True | {1e3 * med['monitor_trace']:.1f} | {1e3 * wall['monitor_trace']:.1f} | "
+        f"{ratio('monitor_trace', 'monitor'):.3f}x |",
         "",
         f"- (a) overhead {100 * over_capture / med['plain']:.1f}% of the step; (b) the hook loop's "
         f"{100 * over_loop / med['plain']:.1f}%: {over_loop / over_capture if over_capture > 0 else float('inf'):.1f}x "
