@@ -224,7 +224,8 @@ class GradMonitor:
 
     def _needs_flag(self) -> bool:
         return (self.on_nonfinite != "ignore" or self.on_explode != "ignore"
-                or self._amp_active())
+                or self._amp_active()
+                or (self._act_hooks is not None and self._act_hooks.trace_nonfinite))
 
     def _unscale_here(self) -> bool:
         """Whether this step unscales the gradients itself: the fused AMP path, taken unless
@@ -245,6 +246,8 @@ class GradMonitor:
         step = self.step_count
         self.step_count += 1
         if not self.enabled:
+            if self._act_hooks is not None:
+                self._act_hooks.take()  # turned off after hooks were armed: none stays
             return StepReport(step)
         if not self._started:
             self._started = True

@@ -612,3 +612,19 @@ def test_dead_counts_per_row():
             torch.tensor([5, 5])]
     assert _dead_counts(acts).tolist() == [2, 0, 1, 0]
     assert _dead_counts([]).tolist() == []
+
+
+def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_drops_hooks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    mon = gradfuse.GradMonitor(model, every=0, trace_nonfinite=True, on_nonfinite="ignore")
+    x = torch.randn(3, 6)
+    x[1, 2] = math.nan
+    model(x).sum().backward()
+    report = mon.step()
+    assert report.first_nonfinite == ("forward", "0") and not report.skip
+    assert report.message.startswith("first non-finite value in the forward output of 0 (8 NaN)")
+    assert forward_hooks(model) > 0
+    mon.enabled = False
+    mon.step()
+    assert forward_hooks(model) == 0
