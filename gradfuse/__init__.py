@@ -5,6 +5,7 @@ mean, NaN, Inf and zero counts, and the total norm, without host synchronisation
 only when needed, decided on the device.
 """
 from gradfuse._ext import backend, build_info
+from gradfuse.activations import ActivationCapture, ActivationStats, capture_activations
 from gradfuse.amp import unscale_clip_
 from gradfuse.api import (clip_, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, stats,
                           tensor_stats)
@@ -19,9 +20,10 @@ from gradfuse.grad_watch import GradWatch, watch
 
 __version__ = "0.1.0"
 
-__all__ = ["Attachment", "GradMonitor", "GradStats", "GradWatch", "GradientAnomaly", "JsonlSink",
-           "LoggingSink", "MetricsSink", "NoiseScale", "PrometheusSink", "StepReport", "TensorBoardSink",
-           "WandbSink", "attach", "backend", "build_info", "clip_", "clip_grad_norm_",
+__all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
+           "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MetricsSink", "NoiseScale",
+           "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink", "attach", "backend",
+           "build_info", "capture_activations", "clip_", "clip_grad_norm_",
            "clip_grads_with_norm_", "get_total_norm", "stats", "tensor_stats", "unscale_clip_",
            "watch", "__version__"]
 __all__ += ["ZClip", "adaptive_clip_grad_", "clip_grad_value_"]  # issue 17: gradfuse.clipping

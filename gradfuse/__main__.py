@@ -14,7 +14,8 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=200)
     d.add_argument("--out", default="runs/demo", help="folder for run.jsonl and gradflow.png")
     d.add_argument("--tiny", action="store_true", help="tiny sizes (for tests)")
-    p = sub.add_parser("plot", help="draw gradient flow from a GradMonitor JSONL log")
+    p = sub.add_parser("plot", help="draw gradient flow from a GradMonitor JSONL log (and, for "
+                                    "activations=True logs, <output>_activations.png)")
     p.add_argument("jsonl")
     p.add_argument("-o", "--output", default="gradflow.png")
     i = sub.add_parser("info", help="what gradfuse._C was built for vs what is running, the backends "
@@ -28,6 +29,10 @@ def main(argv=None) -> int:
     elif args.command == "plot":
         from gradfuse.plot import plot_gradflow
         print(plot_gradflow(args.jsonl, args.output))
+        from gradfuse import plot_activations as pa  # GradMonitor(activations=True) logs
+        from gradfuse.sinks import read_jsonl
+        if pa.has_activations(read_jsonl(args.jsonl)):
+            print(pa.plot_activations(args.jsonl, pa.activations_path(args.output)))
     elif args.command == "info":
         return print_info(as_json=args.json)
     return 0

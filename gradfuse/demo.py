@@ -89,19 +89,26 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
         os.remove(log_path)  # the demo starts a fresh log each time
     # One line: statistics, clip and policies run inside every opt.step() below. The explosion
     # threshold is a circuit breaker: that step is skipped, not applied in a clipped form.
+    # activations=True: module outputs and their gradients on logged steps (hooks on those steps
+    # only); trace_nonfinite=True: names the module where a NaN first appears, on any step.
     handle = gradfuse.attach(opt, model, max_norm=1.0, every=max(steps // 40, 1),
                              on_nonfinite="skip", explode_threshold=1e3, on_explode="skip",
-                             sinks=[JsonlSink(log_path)])
+                             sinks=[JsonlSink(log_path)], activations=True, trace_nonfinite=True)
     mon = handle.monitor
-    spike_step, nan_step = steps // 3, (2 * steps) // 3
+    spike_step, nan_step, forward_nan_step = steps // 3, (2 * steps) // 3, (5 * steps) // 6
     caught = []
     loss_first = loss_last = None
     print(f"gradfuse demo: {sum(p.numel() for p in model.parameters()):,} parameters in "
           f"{len(list(model.parameters()))} tensors, {steps} steps; backend {gradfuse.backend('cpu')}")
-    print(f"planted: a gradient spike at step {spike_step}, a NaN gradient at step {nan_step}")
+    print(f"planted: a gradient spike at step {spike_step}, a NaN gradient at step {nan_step}, "
+          f"a NaN in the forward output of layers.0.linear1 at step {forward_nan_step}")
     for step in range(steps):
         x, y = sorting_batch(batch, seq, gen)
+        plant = (model.layers[0].linear1.register_forward_hook(_plant_nan, prepend=True)
+                 if step == forward_nan_step else None)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        if plant is not None:
+            plant.remove()
         (loss * (1e6 if step == spike_step else 1.0)).backward()
         if step == nan_step:
             model.layers[1].linear1.weight.grad[3, 5] = float("nan")
@@ -127,18 +134,50 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
           f"anomaly steps: {mon.anomaly_steps}")
     print("\nper-parameter gradient statistics after training (top 10 by L2):")
     print(final.table(top=10))
-    picture = None
+    dead = dead_layer_demo()
+    picture = act_picture = None
     try:
         from gradfuse.plot import plot_gradflow
+        from gradfuse.plot_activations import plot_activations
         picture = plot_gradflow(log_path, os.path.join(out_dir, "gradflow.png"))
+        act_picture = plot_activations(log_path, os.path.join(out_dir, "gradflow_activations.png"))
     except ImportError as e:
         print(f"\n(no picture: {e})")
-    print(f"\nlog: {log_path}" + (f"\npicture: {picture}" if picture else ""))
+    print(f"\nlog: {log_path}" + (f"\npicture: {picture}" if picture else "")
+          + (f"\nactivations: {act_picture}" if act_picture else ""))
 
     if timing:
         print_timing(tiny)
     return {"caught": caught, "skipped": mon.skipped_steps, "log": log_path, "picture": picture,
-            "loss_first": loss_first, "loss_last": loss_last}
+            "loss_first": loss_first, "loss_last": loss_last, "dead_layers": dead,
+            "activations_picture": act_picture}
+
+
+def _plant_nan(module, args, output):
+    output = output.clone()
+    output[0, 0, 0] = float("nan")
+    return output
+
+
+def dead_layer_demo() -> list[str]:
+    """One capture of a small MLP whose second ReLU never fires (its bias was pushed to -1e3, as
+    a bad initialisation or one huge update does): every unit of that layer is dead, and no
+    gradient flows behind it."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    with torch.no_grad():
+        mlp[2].bias.fill_(-1e3)
+    x, y = torch.randn(64, 12), torch.randint(0, 10, (64,))
+    with gradfuse.capture_activations(mlp) as cap:
+        nn.functional.cross_entropy(mlp(x), y).backward()
+    print("\na dead layer, found by gradfuse.capture_activations (module outputs of a small MLP):")
+    print(cap.forward.table())
+    rows = cap.forward.to_dict()["params"]
+    dead = [name for name, r in rows.items() if r["units"] and r["dead_units"] == r["units"]]
+    grads = cap.backward.to_dict()["params"]
+    print("dead layers: " + ", ".join(f"{n} ({rows[n]['dead_units']}/{rows[n]['units']} units dead)" for n in dead)
+          + f"; the gradient reaching module 0's output is {100 * grads['0']['zero_fraction']:.0f}% zeros")
+    return dead
 
 
 def print_timing(tiny: bool) -> None:

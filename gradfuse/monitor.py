@@ -76,6 +76,10 @@ class StepReport:
     logged: bool = False
     anomalies: list[str] = field(default_factory=list)
     message: str = ""
+    # activations=True: the step's ActivationCapture on steps it was armed for (cap.forward /
+    # cap.backward); trace_nonfinite=True: ("forward" | "backward", module) on non-finite steps.
+    activations: object | None = None
+    first_nonfinite: tuple[str, str] | None = None
 
 
 class _SinkState:
@@ -145,6 +149,17 @@ class GradMonitor:
         update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
             ratios and weight norms on logging steps, ``update_ratio/<layer>``,
             ``weight_norm/<layer>`` (see :mod:`gradfuse.update_ratio`).
+        activations: also log the statistics of every module's output and of the gradient with
+            respect to it (see :func:`gradfuse.capture_activations`) on the steps that are logged
+            (``every``): hooks are registered for those steps only (armed at the end of the step
+            before), no hook at all on the others. Records get ``act`` and ``act_grad`` per layer.
+        trace_nonfinite: on every step, one small fused reduction per module output and output
+            gradient (no host sync on a clean step); on a step with non-finite gradients, the
+            first module where a NaN / Inf appeared is named in the message and in
+            ``StepReport.first_nonfinite``.
+        activation_modules: which modules (names or modules; default: all) for both options.
+        module: the nn.Module whose activations are watched when ``model`` is not one (e.g. named
+            parameters; :func:`gradfuse.attach` passes its ``model``).
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -159,7 +174,9 @@ class GradMonitor:
                  enabled: bool = True, start_step: int = 0, histogram: bool = False,
                  per: str | None = None, clip_value: float | None = None, agc: float | None = None,
                  agc_eps: float = 1e-3, check_double_clip: bool = True,
-                 noise_scale=False, update_ratios=False):
+                 noise_scale=False, update_ratios=False,
+                 activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
+                 module: nn.Module | None = None):
         for name, value in (("on_nonfinite", on_nonfinite), ("on_explode", on_explode)):
             if value not in POLICIES:
                 raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
@@ -218,6 +235,19 @@ class GradMonitor:
         if noise_scale or update_ratios:
             from gradfuse.dynamics import Dynamics
             self.dynamics = Dynamics(self, noise_scale, update_ratios)
+        self._act_hooks = None
+        if activations or trace_nonfinite:
+            from gradfuse.activations import MonitorHooks
+            self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
+                                           activations=activations, trace_nonfinite=trace_nonfinite)
+            if enabled:  # the first step's forward and backward come before its step()
+                self._act_hooks.arm(full=self.every > 0 and start_step % self.every == 0)
+
+    def arm_activations(self, full: bool = True) -> None:
+        """Arms the activation hooks for the coming forward and backward (an integration that
+        decides per step whether it logs calls this before the step; ``step`` arms by ``every``)."""
+        if self._act_hooks is not None and self.enabled:
+            self._act_hooks.arm(full)
 
     @property
     def clipped_steps(self) -> int:
@@ -245,7 +275,8 @@ class GradMonitor:
 
     def _needs_flag(self) -> bool:
         return (self.on_nonfinite != "ignore" or self.on_explode != "ignore"
-                or self._amp_active())
+                or self._amp_active()
+                or (self._act_hooks is not None and self._act_hooks.trace_nonfinite))
 
     def _unscale_here(self) -> bool:
         """Whether this step unscales the gradients itself: the fused AMP path, taken unless
@@ -266,10 +297,13 @@ class GradMonitor:
         step = self.step_count
         self.step_count += 1
         if not self.enabled:
+            if self._act_hooks is not None:
+                self._act_hooks.take()  # turned off after hooks were armed: none stays
             return StepReport(step)
         if not self._started:
             self._started = True
             self._check_sinks_continue(step)
+        capture = self._act_hooks.take() if self._act_hooks is not None else None
         fused_unscale = self._unscale_here()
         log_now = (self.every > 0 and step % self.every == 0) if log is None else log
         # DTensor gradients: a step that does not log reduces only the total norm (one scalar
@@ -293,6 +327,10 @@ class GradMonitor:
         else:
             s = self._watch.stats(rows=rows)
         report = StepReport(step, stats=s)
+        if capture is not None and capture.full:
+            report.activations = capture
+        if self._act_hooks is not None:  # hooks for the next step's forward and backward
+            self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
 
         code = 0
         if len(s) and self._needs_flag():
@@ -322,6 +360,11 @@ class GradMonitor:
         if report.anomalies and report.anomalies != ["amp_overflow"]:
             self.anomaly_steps += 1
             report.message = self._describe(s, report.anomalies)
+            if code & 1 and capture is not None:  # where the NaN / Inf first appeared
+                report.first_nonfinite = capture.first_nonfinite
+                origin = capture.describe_nonfinite()
+                if origin:
+                    report.message = f"{origin}; {report.message}"
             if bad_max_norm is not None:
                 report.message = "; ".join(m for m in (report.message, str(bad_max_norm)) if m)
         if "raise" in policies:
@@ -460,6 +503,7 @@ class GradMonitor:
             "layers": report.stats.layers(self.layer_depth),
             **(self._headroom_fields() if self.histogram else {}),
             **extra,
+            **self._activation_record(report),
         }
 
     def _headroom_fields(self) -> dict:
@@ -469,6 +513,16 @@ class GradMonitor:
         h = tensor_stats(dict(zip(names, grads)), histogram=True)
         frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, self.layer_depth)
         return {"headroom": frac, "exponents": exps}
+
+
+    def _activation_record(self, report: StepReport) -> dict:
+        out = {}
+        if report.first_nonfinite is not None:
+            out["first_nonfinite"] = list(report.first_nonfinite)
+        if report.activations is not None:
+            out["act"] = report.activations.forward.layers(self.layer_depth)
+            out["act_grad"] = report.activations.backward.layers(self.layer_depth)
+        return out
 
     def _write(self, report: StepReport, event: bool) -> None:
         if self.sinks:
@@ -564,6 +618,8 @@ class GradMonitor:
     def close(self) -> None:
         """Logs the last step (:meth:`flush`) and closes the sinks (a sink that fails to close
         is warned about, never raised)."""
+        if self._act_hooks is not None:
+            self._act_hooks.take()  # no hook outlives the monitor
         self.flush()
         for sink in self.sinks:
             close = getattr(sink, "close", None)

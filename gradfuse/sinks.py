@@ -7,7 +7,8 @@ A record (one per logged step or anomaly) holds: step, total_norm, norm_type, ma
 clip_coef, clipped, nonfinite, skipped, anomalies, message, event, counters (the run's totals so
 far: steps, clipped_steps, skipped_steps, anomaly_steps, nonfinite_steps, explode_steps,
 amp_overflow_steps, dropped_records), params (per-parameter statistics) and layers (per-layer
-aggregates).
+aggregates); with ``GradMonitor(activations=True)`` on logged steps also act and act_grad (per
+layer: module outputs and the gradients with respect to them), and first_nonfinite when traced.
 """
 from __future__ import annotations
 
@@ -152,6 +153,11 @@ def metrics(record: dict) -> dict[str, float]:
     for key in ("update_ratio", "weight_norm"):
         for layer, value in (record.get(key) or {}).items():
             m[f"{key}/{layer}"] = value
+    for kind in ("act", "act_grad"):  # GradMonitor(activations=True), on the steps it logs
+        for layer, a in record.get(kind, {}).items():
+            for key in ("rms", "mean", "std", "dead_fraction", "zero_fraction"):
+                m[f"{kind}/{layer}/{key}"] = a[key]
+            m[f"{kind}/{layer}/nonfinite"] = float(a["nan_count"] + a["inf_count"])
     return m
 
 

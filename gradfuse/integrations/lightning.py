@@ -75,9 +75,11 @@ class GradfuseCallback(Callback):
             (restored afterwards). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor.
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
-            ``layer_depth``, ``noise_scale``, ``update_ratios`` (see :class:`GradMonitor`).
-            ``update_ratios=True`` takes the optimizer; ``noise_scale=True`` counts micro-batches
-            in ``on_after_backward`` (in examples: the first tensor of the batch).
+            ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
+            ``trace_nonfinite`` (see :class:`GradMonitor`). ``update_ratios=True`` takes the
+            optimizer; ``noise_scale=True`` counts micro-batches in ``on_after_backward`` (in
+            examples: the first tensor of the batch); the activation hooks go on the
+            LightningModule, for the batches Lightning logs, with the first optimizer's monitor.
 
     AMP: the scaler of a ``16-mixed`` precision plugin is handed to the monitor, so an overflow
     is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
@@ -154,12 +156,16 @@ class GradfuseCallback(Callback):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             prefix = f"optimizer_{index}/" if len(trainer.optimizers) > 1 else ""
             sinks = (self.sinks if trainer.is_global_zero else []) + [LightningLoggerSink(trainer, prefix)]
+            hooks = index == 0 and (self.monitor_kwargs.get("activations")
+                                    or self.monitor_kwargs.get("trace_nonfinite"))
             kwargs = dict(self.monitor_kwargs)
             if kwargs.get("update_ratios") is True:
                 kwargs["update_ratios"] = optimizer
+            if not hooks:  # activation hooks: on the first optimizer's monitor only
+                kwargs.pop("activations", None), kwargs.pop("trace_nonfinite", None)
             mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
-                              sinks=sinks, **kwargs)
+                              sinks=sinks, **({"module": pl_module} if hooks else {}), **kwargs)
             mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
             from gradfuse.noise_scale import configure
             configure(mon.noise_scale, accumulation_steps=trainer.accumulate_grad_batches)
@@ -169,6 +175,11 @@ class GradfuseCallback(Callback):
         return mon
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # activations=True: hooks for the batches Lightning logs (its log_every_n_steps decision)
+        if trainer.optimizers and (self.monitor_kwargs.get("activations")
+                                   or self.monitor_kwargs.get("trace_nonfinite")):
+            mon = self._monitor_for(trainer, pl_module, trainer.optimizers[0])
+            mon.arm_activations(full=_should_log(trainer))
         self._batch_size = _batch_size(batch)
 
     def on_after_backward(self, trainer, pl_module) -> None:
@@ -194,6 +205,9 @@ class GradfuseCallback(Callback):
             gate.remove()
         self._gates = []
         self._skip.clear()
+        for mon in self.monitors.values():
+            if mon._act_hooks is not None:
+                mon._act_hooks.take()  # no activation hook outlives the fit
         if self._trainer_clip is not None:
             trainer.gradient_clip_val = self._trainer_clip
             self._trainer_clip = None

@@ -114,6 +114,8 @@ class Attachment:
         fused = scaler is not None and len(optimizers) == 1
         if monitor_kwargs.get("update_ratios") is True:  # the optimizers attached to
             monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
+        if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
+            monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
@@ -238,12 +240,14 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             takes the attached optimizers; ``noise_scale=True`` counts micro-batches by the
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
+            ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on
+            its modules).
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("gradfuse.attach: expected a torch.optim.Optimizer or a list of them, got "
                         f"{type(optimizer).__name__}")
-    for key in ("optimizer", "model"):
+    for key in ("optimizer", "model", "module"):
         if key in monitor_kwargs:
             raise TypeError(f"gradfuse.attach: {key}= is set by attach itself")
     return Attachment(optimizers, model, scaler, monitor_kwargs)

@@ -74,13 +74,15 @@ class GradfuseCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)
         if self.monitor is None:
+            hooks = self.monitor_kwargs.get("activations") or self.monitor_kwargs.get("trace_nonfinite")
             kwargs = dict(self.monitor_kwargs)
             if kwargs.get("update_ratios") is True:
                 kwargs["update_ratios"] = inner
             self.monitor = GradMonitor(
                 named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
                 scaler=scaler, optimizer=inner if scaler is not None else None,
-                sinks=self.sinks if trainer.is_world_process_zero() else [], **kwargs)
+                sinks=self.sinks if trainer.is_world_process_zero() else [],
+                **({"module": trainer.model} if hooks else {}), **kwargs)
             self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
             from gradfuse.noise_scale import configure
             configure(self.monitor.noise_scale, batch_size=args.per_device_train_batch_size,
@@ -140,6 +142,14 @@ class GradfuseCallback(TrainerCallback):
         if self.monitor is not None:
             self.monitor.micro_step()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
+        if self.monitor is not None and self.monitor._act_hooks is not None:
+            coming = state.global_step + 1
+            logged = (coming == 1 and args.logging_first_step) or (
+                args.logging_strategy == "steps" and state.logging_steps and coming % state.logging_steps == 0)
+            self.monitor.arm_activations(full=bool(logged))
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._skip_next = self._run_monitor().skip
 
@@ -185,6 +195,8 @@ class GradfuseCallback(TrainerCallback):
         if self._gate is not None:
             self._gate.remove()
             self._gate = None
+        if self.monitor is not None and self.monitor._act_hooks is not None:
+            self.monitor._act_hooks.take()  # no activation hook outlives train()
         if self._original_clip is not None:
             had_own, original = self._original_clip
             accelerator = self.trainer.accelerator
@@ -216,9 +228,11 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip instead.
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
-            ``layer_depth``, ``noise_scale``, ``update_ratios`` (see :class:`GradMonitor`).
-            ``update_ratios=True`` takes the Trainer's optimizer; ``noise_scale=True`` counts the
-            micro-batches of gradient accumulation, in examples of ``per_device_train_batch_size``.
+            ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
+            ``trace_nonfinite`` (see :class:`GradMonitor`). ``update_ratios=True`` takes the
+            Trainer's optimizer; ``noise_scale=True`` counts the micro-batches of gradient
+            accumulation, in examples of ``per_device_train_batch_size``; the activation hooks go
+            on ``trainer.model`` for the updates the Trainer logs.
     """
     callback = GradfuseCallback(trainer, max_norm, sinks=sinks, **monitor_kwargs)
     callbacks = trainer.callback_handler.callbacks

@@ -1,0 +1,630 @@
+"""gradfuse.capture_activations and the monitor's activations= / trace_nonfinite=: rows against
+plain-PyTorch hooks computing the same numbers in float64, dead units, NaN traced to its module,
+bad input, hooks removed, memory flat, hooks armed only on logged steps."""
+import dataclasses
+import gc
+import math
+import os
+import warnings
+import weakref
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import nn
+
+import gradfuse
+from gradfuse.activations import ROOT_NAME, _dead_counts, capture_activations
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# -- the reference: the hooks people write, in float64 ---------------------------------------------
+def ref_flatten(output, prefix=""):
+    if isinstance(output, torch.Tensor):
+        return [(prefix, output)] if output.is_floating_point() else []
+    if isinstance(output, Mapping):
+        return [kv for k, v in output.items() for kv in ref_flatten(v, f"{prefix}.{k}")]
+    if isinstance(output, (tuple, list)):
+        return [kv for i, v in enumerate(output) for kv in ref_flatten(v, f"{prefix}[{i}]")]
+    if dataclasses.is_dataclass(output):
+        return [kv for f in dataclasses.fields(output) for kv in ref_flatten(getattr(output, f.name), f"{prefix}.{f.name}")]
+    return []
+
+
+CHANNEL_FIRST = (nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.MaxPool2d, nn.AdaptiveAvgPool2d)
+
+
+def ref_row(module, t):
+    x = t.detach().double()
+    finite = x[x.isfinite()]
+    dim = 1 if (x.dim() >= 4 or (x.dim() >= 2 and isinstance(module, CHANNEL_FIRST))) else x.dim() - 1
+    if x.dim() == 0:
+        units, dead = 0, 0
+    else:
+        units = x.shape[dim]
+        per_unit = x.movedim(dim, 0).reshape(units, -1)
+        dead = int((per_unit == 0).all(dim=1).sum()) if x.numel() else 0
+    n = x.numel()
+    return {"numel": n, "l2": x.norm().item(), "linf": x.abs().max().item() if n else 0.0,
+            "mean": x.mean().item() if n else 0.0, "std": x.std().item() if n > 1 else math.nan,
+            "nan_count": int(x.isnan().sum()), "inf_count": int(x.isinf().sum()),
+            "zero_count": int((x == 0).sum()), "zero_fraction": (x == 0).double().mean().item() if n else 0.0,
+            "dead_units": dead, "units": units, "_scale": finite.abs().max().item() if finite.numel() else 1.0}
+
+
+class ReferenceHooks:
+    """Forward hooks and output tensor hooks on every module, float64, named as gradfuse names."""
+
+    def __init__(self, model):
+        self.forward, self.backward, self.handles, self.calls = {}, {}, [], {}
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_hook(self._hook(name or ROOT_NAME, module)))
+
+    def _hook(self, name, module):
+        def hook(_m, _a, output):
+            call = self.calls.get(name, 0)
+            self.calls[name] = call + 1
+            base = name if call == 0 else f"{name}#{call}"
+            for suffix, t in ref_flatten(output):
+                row = base + suffix
+                self.forward[row] = ref_row(module, t)
+                if t.requires_grad:
+                    t.register_hook(lambda g, row=row: self.backward.__setitem__(row, ref_row(module, g)))
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def assert_rows_match(got: dict, ref: dict):
+    assert list(got) and set(got) == set(ref), (sorted(set(got) ^ set(ref)))
+    for name, r in ref.items():
+        g = got[name]
+        for key in ("numel", "nan_count", "inf_count", "zero_count", "dead_units", "units"):
+            assert g[key] == r[key], (name, key, g[key], r[key])
+        scale = r["_scale"]
+        for key in ("l2", "linf", "mean", "std", "zero_fraction"):
+            a, b = g[key], r[key]
+            if math.isnan(b):
+                assert math.isnan(a), (name, key, a)
+            else:
+                assert abs(a - b) <= 2e-5 * (abs(b) + scale) + 1e-12, (name, key, a, b)
+        if r["numel"] > 1:
+            assert abs(g["rms"] - r["l2"] / math.sqrt(r["numel"])) <= 1e-5 * (g["rms"] + 1e-30)
+
+
+def capture_against_reference(model, run):
+    ref = ReferenceHooks(model)
+    try:
+        with capture_activations(model) as cap:
+            run()
+    finally:
+        ref.remove()
+    fwd, bwd = cap.forward.to_dict()["params"], cap.backward.to_dict()["params"]
+    assert_rows_match(fwd, ref.forward)
+    assert_rows_match(bwd, ref.backward)
+    # something to compare: non-trivial activations and gradients reached the rows
+    assert sum(r["l2"] > 0 for r in fwd.values()) >= len(fwd) // 2
+    assert sum(r["l2"] > 0 for r in bwd.values()) >= len(bwd) // 2
+    return cap
+
+
+# -- models ------------------------------------------------------------------------------------------
+def tiny_gpt2(layers=2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)  # the same in-place ReLU, called twice per forward
+
+
+class TinyResNet(nn.Module):
+    """torchvision's ResNet layout, small (torchvision is not a dependency)."""
+
+    def __init__(self, width=8, classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(2)
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+# -- rows equal the reference ------------------------------------------------------------------------
+def test_sequential_rows_equal_float64_hooks():
+    model = mlp()
+    x = torch.randn(7, 6)
+    cap = capture_against_reference(model, lambda: model(x).square().sum().backward())
+    assert cap.forward.names == ["0", "1", "2", "3", "4", ROOT_NAME]
+    assert cap.backward.names[:2] == ["4", ROOT_NAME]  # backward order: hooks on one tensor by registration
+    assert cap.hook_count == 0 and cap.first_nonfinite is None
+
+
+def test_gpt2_rows_equal_float64_hooks():
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
+    cap = capture_against_reference(model, lambda: model(ids, labels=ids).loss.backward())
+    names = cap.forward.names
+    assert f"{ROOT_NAME}.logits" in names and f"{ROOT_NAME}.loss" in names  # a ModelOutput
+    assert "transformer.h.1.mlp.c_fc" in names and "transformer.h.0.attn[0]" in names  # a tuple output
+    assert "transformer.last_hidden_state" in names  # GPT2Model's ModelOutput
+    d = cap.forward.to_dict()["params"]
+    assert d["transformer.h.1.mlp.c_fc"]["units"] == 4 * 32 and d[f"{ROOT_NAME}.logits"]["units"] == 64
+    layers = cap.forward.layers()
+    assert {"transformer.h.0", "transformer.h.1", "lm_head", "transformer.wte"} <= set(layers)
+
+
+def test_resnet_style_cnn_rows_equal_float64_hooks_with_channels_as_units():
+    torch.manual_seed(0)
+    model = TinyResNet()
+    x = torch.randn(4, 3, 16, 16)
+    cap = capture_against_reference(model, lambda: model(x).logsumexp(1).sum().backward())
+    d = cap.forward.to_dict()["params"]
+    assert d["layer2.0.conv1"]["units"] == 16 and d["bn1"]["units"] == 8 and d["fc"]["units"] == 5
+    # the in-place ReLU of a block is called twice per forward: one row per call
+    assert "layer1.0.relu" in d and "layer1.0.relu#1" in d
+    # in-place: bn1's row is its output before the ReLU changed it in place, relu's after
+    assert d["bn1"]["zero_fraction"] < 0.01 < d["relu"]["zero_fraction"]
+    assert d["bn1"]["mean"] == pytest.approx(0.0, abs=1e-5)  # batch norm in training mode
+
+
+def test_known_dead_layer_all_units_dead_others_not():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
+    with torch.no_grad():
+        model[2].bias.fill_(-1e3)  # every unit of the second ReLU is negative before it: dead
+    x = torch.randn(32, 6)
+    with capture_activations(model) as cap:
+        model(x).sum().backward()
+    d = cap.forward.to_dict()["params"]
+    assert (d["3"]["dead_units"], d["3"]["units"]) == (12, 12) and d["3"]["dead_fraction"] == 1.0
+    assert d["1"]["units"] == 16 and d["1"]["dead_units"] < 4
+    assert all(d[n]["dead_units"] == 0 for n in ("0", "2", "4"))
+    # behind a dead layer no gradient flows: the first Linear's output gradient is all zero
+    b = cap.backward.to_dict()["params"]
+    assert b["0"]["zero_fraction"] == 1.0 and b["0"]["dead_units"] == 16 and b["4"]["l2"] > 0
+    assert cap.forward.layers()["3"]["dead_fraction"] == 1.0
+
+
+# -- NaN traced to its origin ----------------------------------------------------------------------
+class NaNForward(nn.Module):
+    def __init__(self, inner=None):
+        super().__init__()
+        self.inner = inner if inner is not None else nn.Identity()
+
+    def forward(self, x):
+        y = self.inner(x).clone()
+        y.view(-1)[3] = math.nan
+        return y
+
+
+class _NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g.view(-1)[1] = math.nan
+        return g
+
+
+class NaNBackward(nn.Module):
+    """Finite forward; its backward hands back a gradient with a NaN."""
+
+    def __init__(self, act=None):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return _NaNGrad.apply(x if self.act is None else self.act(x))
+
+
+def test_nan_in_forward_of_a_middle_module_traced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(),
+                          nn.Sequential(nn.Linear(8, 8), NaNForward(), nn.Linear(8, 8)), nn.Linear(8, 2))
+    with capture_activations(model, trace_nonfinite=True) as cap:
+        model(torch.randn(4, 6)).sum().backward()
+    assert cap.first_nonfinite == ("forward", "2.1")
+    assert cap.describe_nonfinite() == "first non-finite value in the forward output of 2.1 (1 NaN)"
+    d = cap.forward.to_dict()["params"]
+    assert d["2.0"]["nan_count"] == 0 and d["2.1"]["nan_count"] == 1 and d["3"]["nan_count"] > 0
+
+
+def test_nan_in_backward_of_another_module_traced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), NaNBackward(), nn.Linear(8, 2))
+    with capture_activations(model) as cap:
+        model(torch.randn(4, 6)).sum().backward()
+    assert cap.forward.nonfinite.item() is False  # the forward is clean
+    assert cap.first_nonfinite == ("backward", "2")
+    assert "backward of 2 " in cap.describe_nonfinite() and "output of 1 holds 1 NaN" in cap.describe_nonfinite()
+
+
+def test_nan_traced_in_gpt2_forward_and_backward():
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = tiny_gpt2()
+    model.transformer.h[1].attn.c_proj = NaNForward(model.transformer.h[1].attn.c_proj)
+    with capture_activations(model) as cap:
+        model(ids, labels=ids).loss.backward()
+    assert cap.first_nonfinite == ("forward", "transformer.h.1.attn.c_proj")
+    model = tiny_gpt2()
+    model.transformer.h[0].mlp.act = NaNBackward(model.transformer.h[0].mlp.act)
+    with capture_activations(model) as cap:
+        model(ids, labels=ids).loss.backward()
+    assert cap.first_nonfinite == ("backward", "transformer.h.0.mlp.act")
+
+
+def test_nan_from_the_loss_names_where_it_entered():
+    model = mlp()
+    with capture_activations(model) as cap:
+        (model(torch.randn(3, 6)).sum() * math.nan).backward()
+    o = cap.nonfinite_origin()
+    assert o["entered"] and cap.first_nonfinite == ("backward", "4")  # first hook on the output
+    assert "from the loss" in cap.describe_nonfinite()
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+def test_module_not_in_model_and_unknown_name():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"Linear .* is not part of the model Sequential"):
+        capture_activations(model, modules=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"no module named '5'; its modules: 0, 1, 2, 3, 4$"):
+        capture_activations(model, modules=["5"])
+    with pytest.raises(ValueError, match=r"no module named '40'; did you mean '4'"):
+        capture_activations(model, modules=["40"])
+    with pytest.raises(TypeError, match="modules must hold module names or modules"):
+        capture_activations(model, modules=[3])
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        capture_activations([p for p in model.parameters()])
+    with capture_activations(model, modules=["2", model[4]], grads=False) as cap:
+        model(torch.randn(3, 6)).sum().backward()
+    assert cap.forward.names == ["2", "4"] and cap.backward.names == []
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    note: str = "x"
+
+
+class OddOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"pair": (h, h.argmax(-1)), "flag": h > 0, "data": Out(h * 2, h > 1), "none": None,
+                "n": 3, "half": h.half()}
+
+
+def test_tuple_dict_dataclass_outputs_named_int_bool_left_out():
+    model = nn.Sequential(OddOutputs())
+    with capture_activations(model) as cap:
+        out = model[0](torch.randn(2, 4))
+        (out["pair"][0].sum() + out["data"].hidden.sum() + out["half"].float().sum()).backward()
+    names = cap.forward.names
+    assert names == ["0.lin", "0.pair[0]", "0.data.hidden", "0.half"]  # several dtypes in one output
+    assert set(cap.backward.names) == {"0.lin", "0.pair[0]", "0.data.hidden", "0.half"}
+    assert cap.forward.to_dict()["params"]["0.data.hidden"]["mean"] == pytest.approx(
+        2 * cap.forward.to_dict()["params"]["0.pair[0]"]["mean"])
+
+
+def test_modules_called_twice_get_one_row_per_call():
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.Tanh(), lin)  # weight sharing
+    with capture_activations(model) as cap:
+        model(torch.randn(2, 4)).sum().backward()
+    assert cap.forward.names == ["0", "1", "0#1", ROOT_NAME]
+    assert cap.backward.names == ["0#1", ROOT_NAME, "1", "0"]
+    assert list(cap.forward.layers()) == ["0", "1", ROOT_NAME]  # calls add up per layer
+    assert cap.forward.layers()["0"]["rows"] == 2
+
+
+def test_inplace_activation_stats_are_the_value_at_the_hooks_moment():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.Dropout(0.5, inplace=True), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    ref = ReferenceHooks(model)
+    with capture_activations(model) as cap:
+        model(x).sum().backward()
+    ref.remove()
+    assert_rows_match(cap.forward.to_dict()["params"], ref.forward)
+    assert_rows_match(cap.backward.to_dict()["params"], ref.backward)
+    d = cap.forward.to_dict()["params"]
+    # each row is its module's value when its hook ran, before the next in-place module changed it
+    assert d["0"]["zero_count"] == 0 < d["1"]["zero_count"] and d["2"]["zero_count"] == 0 < d["3"]["zero_count"]
+    b = cap.backward.to_dict()["params"]
+    assert b["2"]["zero_count"] == d["3"]["zero_count"] and b["3"]["zero_count"] == 0  # dropout's mask
+
+
+def test_full_backward_hooks_of_the_user_still_work():
+    model = mlp()
+    seen = []
+    model[2].register_full_backward_hook(lambda m, gi, go: seen.append(go[0].norm().item()))
+    with capture_activations(model) as cap:
+        model(torch.randn(3, 6)).sum().backward()
+    assert seen and cap.backward.to_dict()["params"]["2"]["l2"] == pytest.approx(seen[0], rel=1e-5)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass that refuses to be detached or read by other ops than the model's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if "detach" in getattr(func, "__name__", "") or "multi_tensor" in str(func):
+            raise RuntimeError(f"Tagged refuses {func}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class SubclassOut(nn.Module):
+    def forward(self, x):
+        return x.as_subclass(Tagged)
+
+
+def test_a_hook_that_fails_warns_once_and_leaves_the_module_out(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    from gradfuse import activations as acts
+    real = acts._unit_activity
+
+    def broken(t, dim):
+        if t.shape[-1] == 2:
+            raise RuntimeError("an odd output")
+        return real(t, dim)
+    monkeypatch.setattr(acts, "_unit_activity", broken)
+    with pytest.warns(RuntimeWarning, match=r"module '2' left out \(forward hook: RuntimeError: an odd output"):
+        with capture_activations(model) as cap:
+            for _ in range(3):
+                model(torch.randn(3, 4)).sum().backward()  # training goes on
+    assert "2" in cap.skipped and not any(n.startswith("2") for n in cap.forward.names)
+    assert sum(1 for n in cap.forward.names if n.split("#")[0] == "0") == 3
+
+
+def test_tensor_subclass_output_does_not_break_training():
+    model = nn.Sequential(nn.Linear(4, 4), SubclassOut(), nn.Linear(4, 2))
+    with pytest.warns(RuntimeWarning, match=r"module '1' left out \(forward hook: RuntimeError: Tagged refuses"):
+        with capture_activations(model) as cap:
+            model(torch.randn(3, 4)).sum().backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+    assert cap.forward.names == ["0"] and set(cap.skipped) == {"1", "2", ROOT_NAME}
+    assert cap.backward.names == ["0"]
+
+
+def test_hooks_removed_when_forward_or_backward_raises():
+    model = mlp()
+
+    def counts():
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    with pytest.raises(RuntimeError, match="shape"):
+        with capture_activations(model):
+            model(torch.randn(3, 5))
+    assert counts() == 0
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("boom in backward")
+
+    with pytest.raises(ValueError, match="boom"):
+        with capture_activations(model) as cap:
+            out = model(Boom.apply(torch.randn(3, 6, requires_grad=True)))
+            out.sum().backward()
+    assert counts() == 0 and cap.hook_count == 0
+
+
+def test_no_reference_kept_to_activations_or_gradients():
+    model = mlp()
+    caps, refs = [], []
+    for _ in range(5):
+        with capture_activations(model) as cap:
+            out = model(torch.randn(64, 6))
+            hidden = model[1](model[0](torch.randn(64, 6)))
+            refs += [weakref.ref(out), weakref.ref(hidden)]
+            out.sum().backward()
+        caps.append(cap)  # the captures stay alive: they must not hold the tensors
+        del out, hidden
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(caps[-1].forward) > 0
+
+
+def live_tensors():
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated torch objects warns
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_memory_flat_over_many_monitored_steps():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gradfuse.GradMonitor(model, every=2, activations=True, trace_nonfinite=True)
+    counts = []
+    for step in range(40):
+        model(torch.randn(8, 6)).square().mean().backward()
+        mon.step()
+        opt.step()
+        opt.zero_grad()
+        if step in (9, 19, 39):
+            counts.append(live_tensors())
+    assert counts[0] == counts[1] == counts[2], counts
+
+
+# -- the monitor ----------------------------------------------------------------------------------------
+def forward_hooks(model):
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_monitor_arms_hooks_only_for_logged_steps(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = gradfuse.JsonlSink(tmp_path / "run.jsonl")
+    mon = gradfuse.GradMonitor(model, every=3, activations=True, sinks=[sink])
+    armed_during = []
+    for step in range(8):
+        armed_during.append(forward_hooks(model))
+        model(torch.randn(4, 6)).square().mean().backward()
+        report = mon.step()
+        assert (report.activations is not None) == (step % 3 == 0)
+        opt.step()
+        opt.zero_grad()
+    assert [n > 0 for n in armed_during] == [s % 3 == 0 for s in range(8)]
+    assert armed_during[1] == armed_during[2] == 0  # no hook at all on unlogged steps
+    mon.close()
+    assert forward_hooks(model) == 0
+    from gradfuse.sinks import metrics, read_jsonl
+    recs = read_jsonl(tmp_path / "run.jsonl")
+    logged = [r for r in recs if "act" in r]
+    assert [r["step"] for r in logged] == [0, 3, 6]
+    m = metrics(logged[0])
+    assert {"act/0/rms", "act/3/dead_fraction", "act_grad/4/rms", "act/(root)/std"} <= set(m)
+    assert m["act/0/rms"] > 0 and m["act_grad/0/rms"] > 0
+
+
+def test_monitor_trace_nonfinite_names_the_origin_in_the_message():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    plant = {"on": False}
+
+    def poison(_m, _a, out):
+        if plant["on"]:
+            out = out.clone()
+            out[0, 0] = math.inf
+            return out
+    model[2].register_forward_hook(poison)  # before gradfuse's: gradfuse sees the returned output
+    mon = gradfuse.GradMonitor(model, every=0, trace_nonfinite=True, on_nonfinite="warn")
+    assert forward_hooks(model) > 1  # traced every step
+    for step in range(4):
+        plant["on"] = step == 2
+        model(torch.randn(3, 6)).sum().backward()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            report = mon.step()
+        for p in model.parameters():
+            p.grad = None
+        if step == 2:
+            assert report.first_nonfinite == ("forward", "2")
+            assert report.message.startswith("first non-finite value in the forward output of 2 (1 Inf); "
+                                             "non-finite gradients in ")
+            assert any("step 2: first non-finite value in the forward output of 2" in str(x.message) for x in w)
+        else:
+            assert report.first_nonfinite is None and not report.anomalies
+
+
+def test_attach_passes_the_model_and_needs_it():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"need the model as an nn.Module .*attach\(optimizer, model"):
+        gradfuse.attach(opt, activations=True)
+    handle = gradfuse.attach(opt, model, every=2, activations=True)
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle.last_report.activations is not None and handle.last_report.step == 2
+    handle.detach()
+    assert forward_hooks(model) == 0
+
+
+def test_compiled_models_are_refused_with_a_clear_message():
+    model = mlp()
+    with pytest.raises(ValueError, match="compiled with torch.compile"):
+        capture_activations(torch.compile(model))
+    with pytest.raises(ValueError, match="refuse a model compiled with torch.compile"):
+        gradfuse.GradMonitor(torch.compile(model), activations=True)
+    other = mlp()
+    other.compile()
+    with pytest.raises(ValueError, match="torch.compile"):
+        gradfuse.GradMonitor(other, trace_nonfinite=True)
+    gradfuse.GradMonitor(torch.compile(model), every=1)  # without activation hooks: fine
+
+
+def test_rows_carry_rank_scope_under_distributed(monkeypatch):
+    model = mlp()
+    with capture_activations(model) as cap:
+        model(torch.randn(2, 6)).sum().backward()
+    assert cap.forward.scope == "all"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with capture_activations(model) as cap:
+        model(torch.randn(2, 6)).sum().backward()
+    assert cap.forward.scope == "rank" and cap.forward.to_dict()["scope"] == "rank"
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    """The README's activations example, as written."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = text.split("### Activations and their gradients", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"step 70: optimizer step skipped: first non-finite value in the "
+                                            r"forward output of 0 \("):
+        exec(compile(block, "README.md", "exec"), {})
+    assert (tmp_path / "runs/act/run.jsonl").exists()
+
+
+def test_dead_counts_per_row():
+    acts = [torch.tensor([0, 3, 0]), torch.ones(0, dtype=torch.int64), torch.tensor([True, False]),
+            torch.tensor([5, 5])]
+    assert _dead_counts(acts).tolist() == [2, 0, 1, 0]
+    assert _dead_counts([]).tolist() == []
+
+
+def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_drops_hooks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    mon = gradfuse.GradMonitor(model, every=0, trace_nonfinite=True, on_nonfinite="ignore")
+    x = torch.randn(3, 6)
+    x[1, 2] = math.nan
+    model(x).sum().backward()
+    report = mon.step()
+    assert report.first_nonfinite == ("forward", "0") and not report.skip
+    assert report.message.startswith("first non-finite value in the forward output of 0 (8 NaN)")
+    assert forward_hooks(model) > 0
+    mon.enabled = False
+    mon.step()
+    assert forward_hooks(model) == 0
