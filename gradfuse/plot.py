@@ -21,6 +21,7 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dp
         root, ext = os.path.splitext(os.fspath(out_path))
         fig = exponent_figure(records)
         fig.savefig(f"{root}_exponents{ext or '.png'}", dpi=dpi)
+        plt.close(fig)
     if any(r.get("noise_scale") for r in records):  # GradMonitor(noise_scale=...): a second picture
         fig = noise_scale_figure(records)
         fig.savefig(noise_scale_path(out_path), dpi=dpi)
@@ -94,6 +95,9 @@ def exponent_figure(records: list[dict], max_layers: int = 16):
         if handles:
             fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)
     fig.suptitle("gradient exponents per layer over steps (bins of gradfuse.histogram)", fontsize=10)
+    return fig
+
+
 def noise_scale_path(out_path: str | os.PathLike) -> str:
     """Where :func:`plot_gradflow` draws the noise-scale curve: ``<out>_noise_scale.png``."""
     root, ext = os.path.splitext(os.fspath(out_path))
