@@ -13,8 +13,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include "../common/chunk_plan.h"
 #include "kernels.h"
@@ -115,6 +120,21 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
       mid = no_sums;
     }
   }
+  // The tail (fewer than kPairElems elements: all of a tiny tensor) as one more vector step on a
+  // zero-padded copy: a padded 0 adds nothing to the sums and max |x| (nor to |x|^p for p > 0),
+  // and is taken off the zero count. 16 scalar steps would cost more than the rest of a tiny
+  // tensor's work.
+  const int64_t rem = n - done;
+  int64_t padded = 0;
+  if (rem > 0 && (mode != PowMode::kPow || p > 0)) {
+    scalar_t buf[kPairElems<scalar_t>];
+    std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+    std::memcpy(static_cast<void*>(buf), x + done, rem * sizeof(scalar_t));
+    for_each_vector_pair(buf, kPairElems<scalar_t>, add);
+    mid.template add<mode>(l0.run, l1.run);
+    padded = kPairElems<scalar_t> - rem;
+    done = n;
+  }
   top.template add<mode>(mid, no_sums);
   StatsAcc<acc_t> s;
   acc_t b_sum[VA::size()], b_sq[VA::size()], b_pow[VA::size()], b_max0[VA::size()], b_max1[VA::size()];
@@ -133,7 +153,8 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
     s.maxabs = nan_max(s.maxabs, nan_max(b_max0[i], b_max1[i]));
     s.zero += static_cast<int64_t>(b_zero[i]);
   }
-  ElementAcc<acc_t> tail;
+  s.zero -= padded;
+  ElementAcc<acc_t> tail;  // only for |x|^p with p <= 0 (the raw op; gradfuse sends p < 0 elsewhere)
   for (int64_t i = done; i < n; ++i) tail.template add<mode>(static_cast<acc_t>(x[i]), acc_t(p));
   s.combine(tail.stats());
   return s;
@@ -162,6 +183,189 @@ NonfiniteCount count_nonfinite(const scalar_t* x, int64_t n) {
   return c;
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Pass 1 over one chunk of float16 / bfloat16 on AVX2, on the raw 16-bit lanes where it can: with
+// the sign bit cleared, x == 0 is a 16-bit compare with 0 and max |x| a 16-bit unsigned max (the
+// order of |x| is that of its bits, Inf above every finite value; a NaN's bits are above Inf, but
+// a NaN makes the sum of squares NaN, and pass 2 then sets max |x| to NaN in any case). 16
+// elements per step take 2 integer operations for these, where the float lanes take 8. Only the
+// sums run on float lanes, blocked as in reduce_vectorized. bfloat16 widens by interleaving with
+// zeros (the lanes then hold the elements in another order; the sums do not depend on it),
+// float16 by vcvtph2ps.
+template <typename scalar_t>
+inline void widen16(__m256i v, __m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m256i z = _mm256_setzero_si256();
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  } else {
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+  }
+}
+
+template <typename scalar_t>
+inline float float_of_bits16(uint16_t bits) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+  } else {
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+}
+
+template <typename scalar_t, PowMode mode>
+StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p) {
+  using VA = Vectorized<float>;
+  constexpr int64_t kStep = 16;  // elements per 256-bit load
+  constexpr int64_t kRun = 32;   // as in reduce_vectorized
+  static_assert(kChunkElems / kStep < 32768, "16-bit zero counts per lane must not overflow");
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff), zero_bits = _mm256_setzero_si256();
+  __m256i max_bits = zero_bits, zero_lanes = zero_bits;
+  const VA pv(static_cast<float>(p)), zeros(0.f);
+  const LaneSums<float> no_sums{zeros, zeros, zeros};
+  LaneSums<float> r0 = no_sums, r1 = no_sums, mid = no_sums, top = no_sums;
+  const auto step = [&](__m256i v) {
+    const __m256i a = _mm256_and_si256(v, abs_mask);
+    zero_lanes = _mm256_sub_epi16(zero_lanes, _mm256_cmpeq_epi16(a, zero_bits));  // -1 per zero
+    max_bits = _mm256_max_epu16(max_bits, a);
+    __m256 lo, hi;
+    widen16<scalar_t>(v, lo, hi);
+    const VA l(lo), h(hi);
+    r0.sum = r0.sum + l;
+    r0.sumsq = at::vec::fmadd(l, l, r0.sumsq);
+    r1.sum = r1.sum + h;
+    r1.sumsq = at::vec::fmadd(h, h, r1.sumsq);
+    if constexpr (mode != PowMode::kNone) {
+      __m256 alo, ahi;
+      widen16<scalar_t>(a, alo, ahi);  // |x|, exactly
+      if constexpr (mode == PowMode::kAbs) {
+        r0.powsum = r0.powsum + VA(alo);
+        r1.powsum = r1.powsum + VA(ahi);
+      } else {
+        r0.powsum = r0.powsum + VA(alo).pow(pv);
+        r1.powsum = r1.powsum + VA(ahi).pow(pv);
+      }
+    }
+  };
+  int64_t i = 0;
+  for (int runs = 1; n - i >= kStep; ++runs) {
+    for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
+      step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    }
+    mid.template add<mode>(r0, r1);
+    r0 = r1 = no_sums;
+    if (runs % kRun == 0) {
+      top.template add<mode>(mid, no_sums);
+      mid = no_sums;
+    }
+  }
+  const int64_t rem = n - i;
+  int64_t padded = 0;
+  if (rem > 0 && (mode != PowMode::kPow || p > 0)) {  // zero-padded, as in reduce_vectorized
+    alignas(32) uint16_t buf[kStep] = {};
+    std::memcpy(buf, x + i, rem * sizeof(scalar_t));
+    step(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)));
+    mid.template add<mode>(r0, r1);
+    padded = kStep - rem;
+    i = n;
+  }
+  top.template add<mode>(mid, no_sums);
+  StatsAcc<float> s;
+  float b_sum[VA::size()], b_sq[VA::size()], b_pow[VA::size()];
+  top.sum.store(b_sum);
+  top.sumsq.store(b_sq);
+  top.powsum.store(b_pow);
+  for (int k = 0; k < VA::size(); ++k) {  // in lane order
+    s.sum += b_sum[k];
+    s.sumsq += b_sq[k];
+    s.powsum += b_pow[k];
+  }
+  alignas(32) uint16_t b_max[kStep], b_zero[kStep];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(b_max), max_bits);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(b_zero), zero_lanes);
+  uint16_t max_abs_bits = 0;
+  for (int k = 0; k < kStep; ++k) {
+    max_abs_bits = std::max(max_abs_bits, b_max[k]);
+    s.zero += b_zero[k];
+  }
+  s.maxabs = float_of_bits16<scalar_t>(max_abs_bits);
+  s.zero -= padded;
+  ElementAcc<float> tail;  // only for |x|^p with p <= 0, as in reduce_vectorized
+  for (; i < n; ++i) tail.template add<mode>(static_cast<float>(x[i]), static_cast<float>(p));
+  s.combine(tail.stats());
+  return s;
+}
+#endif
+
+// Both passes over one chunk.
+template <typename scalar_t, PowMode mode>
+inline StatsAcc<acc_of<scalar_t>> reduce_chunk(const scalar_t* x, int64_t n, double p) {
+#if defined(CPU_CAPABILITY_AVX2)
+  constexpr bool k16 = std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>;
+  StatsAcc<acc_of<scalar_t>> s;
+  if constexpr (k16) {
+    s = reduce_16bit<scalar_t, mode>(x, n, p);
+  } else {
+    s = reduce_vectorized<scalar_t, mode>(x, n, p);
+  }
+#else
+  auto s = reduce_vectorized<scalar_t, mode>(x, n, p);
+#endif
+  if (needs_nonfinite_count(s)) {
+    const NonfiniteCount counts = count_nonfinite(x, n);
+    s.set_nonfinite_counts(static_cast<int64_t>(counts.nan), static_cast<int64_t>(counts.inf));
+  }
+  return s;
+}
+
+// StatsTensorsFn (kernels.h) for one dtype and mode.
+template <typename scalar_t, PowMode mode>
+void stats_tensors_typed(const ChunkArgs& args, double p, int64_t begin, int64_t end,
+                         acc_of<scalar_t>* float_partials, int64_t* count_partials,
+                         double* out_f, int64_t* out_c) {
+  const int64_t* fc = args.first_chunk;
+  const int64_t n = args.num_tensors, total = fc[n];
+  int64_t t = owner_of_chunk(fc, n, begin);
+  if (fc[t] >= begin) {
+    while (t > 0 && fc[t - 1] >= begin) --t;  // empty tensors starting at chunk `begin`
+  }
+  // Each tensor's first cache line is a miss of its own (a tiny tensor has no other): ask for
+  // the next tensors' while this one is reduced.
+  constexpr int64_t kAhead = 8;
+  for (; t < n && (fc[t] < end || end == total); ++t) {
+    if (t + kAhead < n) __builtin_prefetch(args.spans[t + kAhead].data);
+    const Span span = args.spans[t];
+    const auto* x = static_cast<const scalar_t*>(span.data);
+    const int64_t c0 = std::max(fc[t], begin), c1 = std::min(fc[t + 1], end);
+    if (fc[t] >= begin && fc[t + 1] <= end) {  // the whole tensor: its row
+      StatsAcc<double> s;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t offset = (c - fc[t]) * kChunkElems;
+        s.combine(reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), p));
+      }
+      s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
+      out_c[t * kNumCountStats + kNumel] = span.numel;
+    } else {  // a part: its chunks' partials
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t offset = (c - fc[t]) * kChunkElems;
+        reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), p)
+            .store(float_partials + c * kNumFloatStats, count_partials + c * kNumCountStats);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void stats_tensors_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, int64_t begin,
+                                 int64_t end, void* fp, int64_t* cp, double* of, int64_t* oc) {
+  auto* f = static_cast<acc_of<scalar_t>*>(fp);
+  switch (mode) {
+    case PowMode::kNone: return stats_tensors_typed<scalar_t, PowMode::kNone>(args, p, begin, end, f, cp, of, oc);
+    case PowMode::kAbs: return stats_tensors_typed<scalar_t, PowMode::kAbs>(args, p, begin, end, f, cp, of, oc);
+    case PowMode::kPow: return stats_tensors_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp, of, oc);
+  }
+}
+
 template <typename scalar_t, PowMode mode>
 void stats_chunks_typed(const ChunkArgs& args, double p, int64_t begin, int64_t end,
                         acc_of<scalar_t>* float_partials, int64_t* count_partials) {
@@ -171,12 +375,7 @@ void stats_chunks_typed(const ChunkArgs& args, double p, int64_t begin, int64_t 
     const int64_t offset = (c - args.first_chunk[t]) * kChunkElems;
     const int64_t n = std::min(kChunkElems, args.spans[t].numel - offset);
     const scalar_t* x = static_cast<const scalar_t*>(args.spans[t].data) + offset;
-    auto s = reduce_vectorized<scalar_t, mode>(x, n, p);
-    if (needs_nonfinite_count(s)) {
-      const NonfiniteCount counts = count_nonfinite(x, n);
-      s.set_nonfinite_counts(static_cast<int64_t>(counts.nan), static_cast<int64_t>(counts.inf));
-    }
-    s.store(float_partials + c * kNumFloatStats, count_partials + c * kNumCountStats);
+    reduce_chunk<scalar_t, mode>(x, n, p).store(float_partials + c * kNumFloatStats, count_partials + c * kNumCountStats);
   }
 }
 
@@ -231,6 +430,22 @@ void stats_chunks(const ChunkArgs& args, PowMode mode, double p, int64_t begin, 
       return stats_chunks_dispatch_mode<c10::Half>(args, mode, p, begin, end, float_partials, count_partials);
     case c10::ScalarType::BFloat16:
       return stats_chunks_dispatch_mode<c10::BFloat16>(args, mode, p, begin, end, float_partials, count_partials);
+    default:
+      break;  // the op checked the dtype before
+  }
+}
+
+void stats_tensors(const ChunkArgs& args, PowMode mode, double p, int64_t begin, int64_t end,
+                   void* float_partials, int64_t* count_partials, double* out_f, int64_t* out_c) {
+  switch (args.dtype) {
+    case c10::ScalarType::Float:
+      return stats_tensors_dispatch_mode<float>(args, mode, p, begin, end, float_partials, count_partials, out_f, out_c);
+    case c10::ScalarType::Double:
+      return stats_tensors_dispatch_mode<double>(args, mode, p, begin, end, float_partials, count_partials, out_f, out_c);
+    case c10::ScalarType::Half:
+      return stats_tensors_dispatch_mode<c10::Half>(args, mode, p, begin, end, float_partials, count_partials, out_f, out_c);
+    case c10::ScalarType::BFloat16:
+      return stats_tensors_dispatch_mode<c10::BFloat16>(args, mode, p, begin, end, float_partials, count_partials, out_f, out_c);
     default:
       break;  // the op checked the dtype before
   }

@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "../common/chunk_plan.h"
 #include "../common/op_checks.h"
@@ -16,13 +19,14 @@ namespace {
 struct Kernels {
   StatsChunksFn stats;
   ScaleChunksFn scale;
+  StatsTensorsFn stats_tensors;
 };
 
 Kernels kernels_for(const std::string& isa) {
 #ifdef GRADFUSE_HAVE_AVX2_KERNELS
-  if (isa == "avx2") return {AVX2::stats_chunks, AVX2::scale_chunks};
+  if (isa == "avx2") return {AVX2::stats_chunks, AVX2::scale_chunks, AVX2::stats_tensors};
 #endif
-  return {DEFAULT::stats_chunks, DEFAULT::scale_chunks};
+  return {DEFAULT::stats_chunks, DEFAULT::scale_chunks, DEFAULT::stats_tensors};
 }
 
 ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
@@ -30,50 +34,133 @@ ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
           group.plan.first_chunk.data(), dtype};
 }
 
-// Combines the chunk partials of every tensor, in chunk order, in double.
-template <typename acc_t>
-void finalize(const DenseGroup& group, const acc_t* fp, const int64_t* cp, double* out_f,
-              int64_t* out_c, int64_t num_tensors) {
-  const ChunkPlan& plan = group.plan;
-  at::parallel_for(0, num_tensors, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      StatsAcc<double> s;
-      for (int64_t c = plan.first_chunk[t]; c < plan.first_chunk[t + 1]; ++c) {
-        s.combine(StatsAcc<acc_t>::load(fp + c * kNumFloatStats, cp + c * kNumCountStats));
+// One call's inputs as the stats kernels see them, read in one pass over the tensor list (the
+// checks of check_group, the spans and the chunk plan of DenseGroup): on 10 000 tiny tensors each
+// TensorImpl and StorageImpl is a cache miss, so the pass prefetches them a few tensors ahead, and
+// it holds no reference (an atomic increment and decrement) to tensors that are already dense.
+struct StatsInputs {
+  std::vector<Span> spans;
+  std::vector<int64_t> first_chunk;  // as ChunkPlan::first_chunk
+  std::vector<at::Tensor> copies;    // contiguous copies of the inputs that are not dense
+  int64_t bytes = 0;
+};
+
+StatsInputs read_stats_inputs(at::TensorList tensors, const char* op) {
+  const auto n = static_cast<int64_t>(tensors.size());
+  const at::Tensor& first = tensors[0];
+  const bool first_ok = first.defined() && is_supported_float(first.scalar_type()) &&
+                        first.device().type() == c10::DeviceType::CPU;
+  const auto dtype = first_ok ? first.scalar_type() : at::kFloat;
+  const auto device = first_ok ? first.device() : c10::Device(c10::DeviceType::CPU);
+  StatsInputs in;
+  in.spans.reserve(n);
+  in.first_chunk.reserve(n + 1);
+  constexpr int64_t kAhead = 4;
+  int64_t next_chunk = 0, elems = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 2 * kAhead < n) {
+      const auto* impl = reinterpret_cast<const char*>(tensors[i + 2 * kAhead].unsafeGetTensorImpl());
+      for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) {
+        __builtin_prefetch(impl + offset);
       }
-      s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
-      out_c[t * kNumCountStats + kNumel] = group.spans[t].numel;
     }
-  });
+    if (i + kAhead < n) {
+      if (const auto* storage = tensors[i + kAhead].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()) {
+        __builtin_prefetch(storage);
+      }
+    }
+    const at::Tensor& t = tensors[i];
+    if (!first_ok || !t.defined() || t.layout() != at::kStrided || t.scalar_type() != dtype ||
+        t.device() != device) {
+      check_group(tensors, op, c10::DeviceType::CPU);  // names the tensor and what is wrong
+      TORCH_CHECK(false, op, ": tensors[", i, "] is not a dense ", dtype, " tensor on ", device);
+    }
+    const void* data;
+    if (t.is_non_overlapping_and_dense()) {
+      data = t.const_data_ptr();
+    } else {
+      in.copies.push_back(t.contiguous());
+      data = in.copies.back().const_data_ptr();
+    }
+    const int64_t numel = t.numel();
+    in.spans.push_back({const_cast<void*>(data), numel});
+    in.first_chunk.push_back(next_chunk);
+    next_chunk += (numel + kChunkElems - 1) / kChunkElems;
+    elems += numel;
+  }
+  in.first_chunk.push_back(next_chunk);
+  in.bytes = elems * static_cast<int64_t>(c10::elementSize(dtype));
+  return in;
+}
+
+// Below this many bytes per thread a set is reduced on the calling thread: waking the other
+// threads (and waiting for all of them at the end, which on a busy machine can mean waiting for
+// a descheduled one) costs more than it saves.
+constexpr int64_t kMinBytesPerThread = 1 << 20;
+
+// Combines the chunk partials of tensor t, in chunk order, in double (as the kernels combine the
+// chunks of a tensor that lies in one range).
+template <typename acc_t>
+void finalize_tensor(const StatsInputs& in, int64_t t, const acc_t* fp, const int64_t* cp,
+                     double* out_f, int64_t* out_c) {
+  StatsAcc<double> s;
+  for (int64_t c = in.first_chunk[t]; c < in.first_chunk[t + 1]; ++c) {
+    s.combine(StatsAcc<acc_t>::load(fp + c * kNumFloatStats, cp + c * kNumCountStats));
+  }
+  s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
+  out_c[t * kNumCountStats + kNumel] = in.spans[t].numel;
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors,
                                                           double norm_type) {
-  check_group(tensors, "gradfuse.multi_tensor_stats", c10::DeviceType::CPU);
+  constexpr const char* kOp = "gradfuse.multi_tensor_stats";
   const auto n = static_cast<int64_t>(tensors.size());
   auto out_f = at::empty({n, kNumFloatStats}, at::TensorOptions().dtype(at::kDouble));
   auto out_c = at::empty({n, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   if (n == 0) return {out_f, out_c};
 
-  const DenseGroup group(tensors);
+  const StatsInputs in = read_stats_inputs(tensors, kOp);
   const auto dtype = tensors[0].scalar_type();
-  const auto args = chunk_args(group, dtype);
-  const int64_t num_chunks = group.plan.num_chunks();
-  auto part_f = at::empty({num_chunks, kNumFloatStats}, at::TensorOptions().dtype(partial_dtype(dtype)));
-  auto part_c = at::empty({num_chunks, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
+  const ChunkArgs args{in.spans.data(), n, in.first_chunk.data(), dtype};
+  const int64_t num_chunks = in.first_chunk.back();
   const PowMode mode = pow_mode_for(norm_type);
   const auto kern = kernels_for(active_cpu_capability());
+  double* of = out_f.data_ptr<double>();
+  int64_t* oc = out_c.data_ptr<int64_t>();
+  // Chunks per thread such that each gets at least kMinBytesPerThread: a small set is one range
+  // on the calling thread, and then the kernel writes every tensor's row itself.
+  const int64_t grain = std::max<int64_t>(
+      1, (num_chunks * kMinBytesPerThread + in.bytes - 1) / std::max<int64_t>(in.bytes, 1));
+  if (num_chunks <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    kern.stats_tensors(args, mode, norm_type, 0, num_chunks, nullptr, nullptr, of, oc);
+    return {out_f, out_c};
+  }
+  // One parallel region: each range writes the rows of the tensors that lie in it, and the
+  // chunk partials of the (at most two) tensors that cross its ends; those are combined here.
+  auto part_f = at::empty({num_chunks, kNumFloatStats}, at::TensorOptions().dtype(partial_dtype(dtype)));
+  auto part_c = at::empty({num_chunks, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   void* fp = part_f.data_ptr();
   int64_t* cp = part_c.data_ptr<int64_t>();
-  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-    kern.stats(args, mode, norm_type, begin, end, fp, cp);
+  std::mutex ends_mutex;
+  std::vector<int64_t> range_ends;
+  at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
+    kern.stats_tensors(args, mode, norm_type, begin, end, fp, cp, of, oc);
+    if (end < num_chunks) {
+      std::lock_guard<std::mutex> lock(ends_mutex);
+      range_ends.push_back(end);
+    }
   });
-  if (dtype == at::kDouble) {
-    finalize<double>(group, part_f.data_ptr<double>(), cp, out_f.data_ptr<double>(),
-                     out_c.data_ptr<int64_t>(), n);
-  } else {
-    finalize<float>(group, part_f.data_ptr<float>(), cp, out_f.data_ptr<double>(),
-                    out_c.data_ptr<int64_t>(), n);
+  std::sort(range_ends.begin(), range_ends.end());
+  int64_t last = -1;
+  for (const int64_t e : range_ends) {
+    const int64_t t = owner_of_chunk(in.first_chunk.data(), n, e);  // owns chunk e
+    if (in.first_chunk[t] == e || t == last) continue;  // starts at e: not split
+    last = t;
+    if (dtype == at::kDouble) {
+      finalize_tensor(in, t, static_cast<const double*>(fp), cp, of, oc);
+    } else {
+      finalize_tensor(in, t, static_cast<const float*>(fp), cp, of, oc);
+    }
   }
   return {out_f, out_c};
 }
