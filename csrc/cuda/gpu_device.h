@@ -1,0 +1,32 @@
+// What the .cu files share: the kernel launch (with its error check) that the glue headers
+// (stats_ops.h, clip_ops.h, hist_ops.h) expect as GRADFUSE_LAUNCH, and the Device they are
+// templated on for the GPU: guard, current stream, allocation and the op names errors cite.
+// The emulated tests (tests/cuda_emu/emu_ops.cpp) supply their own launch and Device instead.
+// Include before any of the glue headers.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#define GRADFUSE_LAUNCH(kernel, grid, block, stream, ...)   \
+  do {                                                      \
+    kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__);  \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                         \
+  } while (0)
+
+namespace gradfuse::cuda {
+
+struct Gpu {
+  static constexpr c10::DeviceType kType = c10::DeviceType::CUDA;
+  static constexpr const char* kStatsOp = "gradfuse.multi_tensor_stats";
+  static constexpr const char* kScaleOp = "gradfuse.multi_tensor_scale_";
+  static constexpr const char* kUnitStatsOp = "gradfuse.multi_tensor_unit_stats";
+  static constexpr const char* kUnitScaleOp = "gradfuse.multi_tensor_unit_scale_";
+  static constexpr const char* kClampOp = "gradfuse.multi_tensor_clamp_";
+  using Guard = c10::cuda::CUDAGuard;
+  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+  static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts) { return at::empty(sizes, opts); }
+};
+
+}  // namespace gradfuse::cuda
