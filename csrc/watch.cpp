@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -28,6 +30,7 @@
 
 #include "common/op_checks.h"
 #include "common/stats_math.h"
+#include "cpu/stats_cpu.h"
 
 namespace gradfuse::watch {
 namespace {
@@ -124,29 +127,29 @@ class ParamWatch : public torch::CustomClassHolder {
   // [floats, counts, total_norm] as gradfuse.stats returns them, or [] when the gradients do not
   // match the plan.
   std::vector<at::Tensor> stats(double norm_type) {
-    std::vector<std::vector<at::Tensor>> grads;
-    if (!read_grads(grads)) return {};
-    auto [floats, counts] = group_stats(grads, norm_type);
+    at::Tensor floats, counts;
+    if (!rows(norm_type, floats, counts)) return {};
     return {floats, counts, total_norm(floats, counts, norm_type)};
   }
 
   // stats, then scales the gradients in place so their total norm is at most max_norm:
   // [floats, counts, total_norm, clip_coef], or [] (nothing touched) on a mismatch.
   std::vector<at::Tensor> clip(double norm_type, double max_norm) {
-    std::vector<std::vector<at::Tensor>> grads;
-    if (!read_grads(grads)) return {};
-    auto [floats, counts] = group_stats(grads, norm_type);
+    at::Tensor floats, counts;
+    if (!rows(norm_type, floats, counts)) return {};
     auto total = total_norm(floats, counts, norm_type);
-    auto coef = scale(grads, total, max_norm);
+    auto coef = clip_coef(total, max_norm);
+    if (!scale(coef)) return {};  // nothing was touched
     return {floats, counts, total, coef};
   }
 
   // Scales this step's gradients by the coefficient for `total` (a total norm from stats()):
   // [clip_coef], or [] (nothing touched) on a mismatch.
   std::vector<at::Tensor> clip_to(const at::Tensor& total, double max_norm) {
-    std::vector<std::vector<at::Tensor>> grads;
-    if (!read_grads(grads)) return {};
-    return {scale(grads, total, max_norm)};
+    if (!absent_still_absent()) return {};
+    auto coef = clip_coef(total, max_norm);
+    if (!scale(coef)) return {};
+    return {coef};
   }
 
  private:
@@ -206,11 +209,16 @@ class ParamWatch : public torch::CustomClassHolder {
   }
 
   // The gradients of every group, when they match the plan.
-  bool read_grads(std::vector<std::vector<at::Tensor>>& out) const {
+  bool absent_still_absent() const {
     if (groups_.empty()) return false;
     for (const int64_t i : absent_) {
       if (grad_of(i).defined()) return false;
     }
+    return true;
+  }
+
+  bool read_grads(std::vector<std::vector<at::Tensor>>& out) const {
+    if (!absent_still_absent()) return false;
     out.resize(groups_.size());
     for (size_t k = 0; k < groups_.size(); ++k) {
       const Group& group = groups_[k];
@@ -227,6 +235,56 @@ class ParamWatch : public torch::CustomClassHolder {
         grads.push_back(g);
       }
     }
+    return true;
+  }
+
+  enum class Read { kMismatch, kSpans, kNotDense };
+
+  // One CPU group's gradients read straight into the stats kernels' spans, in the pass that
+  // checks them against the plan: no second pass in the op, no reference taken. kNotDense: a
+  // gradient is not non-overlapping and dense (the op makes a copy; the tensor path serves it).
+  Read read_cpu_inputs(cpu::StatsInputs& in) const {
+    if (!absent_still_absent()) return Read::kMismatch;
+    const Group& group = groups_[0];
+    const auto& idx = group.params;
+    in.reserve(idx.size());
+    for (size_t j = 0; j < idx.size(); ++j) {
+      prefetch_ahead(idx, j);
+      const at::Tensor& g = grad_of(idx[j]);
+      if (!g.defined() || g.scalar_type() != group.dtype || g.device() != group.device ||
+          !is_plain_dense(g)) {
+        return Read::kMismatch;
+      }
+      if (!g.is_non_overlapping_and_dense()) return Read::kNotDense;
+      in.append(g.const_data_ptr(), g.numel());
+    }
+    in.finish(group.dtype);
+    return Read::kSpans;
+  }
+
+  // Whether the rows may be computed without the dispatcher: one CPU group, and nobody who
+  // would see the op's call (a TorchDispatchMode such as FlopCounterMode) is listening.
+  bool direct_cpu() const {
+    return groups_.size() == 1 && groups_[0].device.is_cpu() &&
+           !c10::impl::TorchDispatchModeTLS::any_modes_set();
+  }
+
+  // The rows of this step's gradients ([n, 4] floats and counts), or false when the gradients
+  // do not match the plan.
+  bool rows(double norm_type, at::Tensor& floats, at::Tensor& counts) const {
+    if (direct_cpu()) {
+      cpu::StatsInputs in;
+      const Read read = read_cpu_inputs(in);
+      if (read == Read::kMismatch) return false;
+      if (read == Read::kSpans) {
+        RECORD_FUNCTION("gradfuse::multi_tensor_stats", std::vector<c10::IValue>());
+        std::tie(floats, counts) = cpu::stats_of_inputs(in, groups_[0].dtype, norm_type);
+        return true;
+      }
+    }
+    std::vector<std::vector<at::Tensor>> grads;
+    if (!read_grads(grads)) return false;
+    std::tie(floats, counts) = group_stats(grads, norm_type);
     return true;
   }
 
@@ -274,14 +332,25 @@ class ParamWatch : public torch::CustomClassHolder {
 
   // api._scale_to_max_norm: torch.clamp(max_norm / (total + 1e-6), max=1.0), where Python's
   // `float / tensor` is `tensor.reciprocal() * float`; the scale runs only where it is < 1.
-  at::Tensor scale(const std::vector<std::vector<at::Tensor>>& grads, const at::Tensor& total,
-                   double max_norm) const {
-    auto coef = at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+  at::Tensor clip_coef(const at::Tensor& total, double max_norm) const {
+    return at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+  }
+
+  // Scales this step's gradients by `coef` where it is < 1 (the conditional scale op); false
+  // (nothing touched) when they do not match the plan. A CPU coefficient that needs no scaling
+  // is read here (no sync) and the gradients are not walked at all: the op would return
+  // without touching them.
+  bool scale(const at::Tensor& coef) const {
+    if (coef.device().is_cpu() && !needs_scaling(coef.item<double>())) {
+      return absent_still_absent();
+    }
+    std::vector<std::vector<at::Tensor>> grads;
+    if (!read_grads(grads)) return false;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (const auto& g : grads) {
       scale_op().call(g, coef.to(g[0].device()), /*conditional=*/true);
     }
-    return coef;
+    return true;
   }
 
   std::vector<at::Tensor> params_;

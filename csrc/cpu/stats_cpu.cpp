@@ -12,6 +12,7 @@
 #include "../common/op_checks.h"
 #include "cpu_capability.h"
 #include "kernels.h"
+#include "stats_cpu.h"
 
 namespace gradfuse::cpu {
 namespace {
@@ -34,17 +35,10 @@ ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
           group.plan.first_chunk.data(), dtype};
 }
 
-// One call's inputs as the stats kernels see them, read in one pass over the tensor list (the
-// checks of check_group, the spans and the chunk plan of DenseGroup): on 10 000 tiny tensors each
+// read_stats_inputs reads one call's inputs in one pass over the tensor list (the checks of
+// check_group, the spans and the chunk plan of DenseGroup): on 10 000 tiny tensors each
 // TensorImpl and StorageImpl is a cache miss, so the pass prefetches them a few tensors ahead, and
 // it holds no reference (an atomic increment and decrement) to tensors that are already dense.
-struct StatsInputs {
-  std::vector<Span> spans;
-  std::vector<int64_t> first_chunk;  // as ChunkPlan::first_chunk
-  std::vector<at::Tensor> copies;    // contiguous copies of the inputs that are not dense
-  int64_t bytes = 0;
-};
-
 StatsInputs read_stats_inputs(at::TensorList tensors, const char* op) {
   const auto n = static_cast<int64_t>(tensors.size());
   const at::Tensor& first = tensors[0];
@@ -53,10 +47,8 @@ StatsInputs read_stats_inputs(at::TensorList tensors, const char* op) {
   const auto dtype = first_ok ? first.scalar_type() : at::kFloat;
   const auto device = first_ok ? first.device() : c10::Device(c10::DeviceType::CPU);
   StatsInputs in;
-  in.spans.reserve(n);
-  in.first_chunk.reserve(n + 1);
+  in.reserve(n);
   constexpr int64_t kAhead = 4;
-  int64_t next_chunk = 0, elems = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (i + 2 * kAhead < n) {
       const auto* impl = reinterpret_cast<const char*>(tensors[i + 2 * kAhead].unsafeGetTensorImpl());
@@ -82,14 +74,9 @@ StatsInputs read_stats_inputs(at::TensorList tensors, const char* op) {
       in.copies.push_back(t.contiguous());
       data = in.copies.back().const_data_ptr();
     }
-    const int64_t numel = t.numel();
-    in.spans.push_back({const_cast<void*>(data), numel});
-    in.first_chunk.push_back(next_chunk);
-    next_chunk += (numel + kChunkElems - 1) / kChunkElems;
-    elems += numel;
+    in.append(data, t.numel());
   }
-  in.first_chunk.push_back(next_chunk);
-  in.bytes = elems * static_cast<int64_t>(c10::elementSize(dtype));
+  in.finish(dtype);
   return in;
 }
 
@@ -111,16 +98,13 @@ void finalize_tensor(const StatsInputs& in, int64_t t, const acc_t* fp, const in
   out_c[t * kNumCountStats + kNumel] = in.spans[t].numel;
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors,
-                                                          double norm_type) {
-  constexpr const char* kOp = "gradfuse.multi_tensor_stats";
-  const auto n = static_cast<int64_t>(tensors.size());
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::ScalarType dtype,
+                                                   double norm_type) {
+  const auto n = static_cast<int64_t>(in.spans.size());
   auto out_f = at::empty({n, kNumFloatStats}, at::TensorOptions().dtype(at::kDouble));
   auto out_c = at::empty({n, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
-  if (n == 0) return {out_f, out_c};
-
-  const StatsInputs in = read_stats_inputs(tensors, kOp);
-  const auto dtype = tensors[0].scalar_type();
   const ChunkArgs args{in.spans.data(), n, in.first_chunk.data(), dtype};
   const int64_t num_chunks = in.first_chunk.back();
   const PowMode mode = pow_mode_for(norm_type);
@@ -163,6 +147,19 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
     }
   }
   return {out_f, out_c};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors,
+                                                          double norm_type) {
+  constexpr const char* kOp = "gradfuse.multi_tensor_stats";
+  if (tensors.empty()) {
+    return {at::empty({0, kNumFloatStats}, at::TensorOptions().dtype(at::kDouble)),
+            at::empty({0, kNumCountStats}, at::TensorOptions().dtype(at::kLong))};
+  }
+  const StatsInputs in = read_stats_inputs(tensors, kOp);
+  return stats_of_inputs(in, tensors[0].scalar_type(), norm_type);
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
