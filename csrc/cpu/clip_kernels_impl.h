@@ -122,12 +122,128 @@ int64_t clamp_span(scalar_t* x, int64_t n, acc_of<scalar_t> v_acc, scalar_t v, s
 // is read once and written once.
 constexpr int64_t kClampBlockElems = 8192;
 
+#if defined(CPU_CAPABILITY_AVX2)
+// float16 / bfloat16 on AVX2: statistics and clamp in ONE loop, 16 elements per step, the clamp
+// on the raw 16-bit lanes. With a = bits & 0x7fff, the order of |x| is that of a (Inf above every
+// finite value, NaN above Inf), so for a bound b = bits of the stored bound (>= +0):
+// an element is clamped iff b < a <= Inf's bits (NaN never is), and becomes its own sign | b:
+// the same bits as torch.clamp's (the bound as torch rounds it, the sign of the clamped side;
+// no conversion back from float, so nothing to round). Statistics as reduce_16bit: zero count
+// and max |x| on the raw lanes, the sums on float lanes blocked as in reduce_vectorized; NaN and
+// Inf counts on the raw lanes too (after the clamp an Inf would be gone). Counts live in 16-bit
+// lanes, folded out every kRun * kRun steps (at most 1 024 per lane).
+template <typename scalar_t>
+StatsAcc<float> clamp_16bit(scalar_t* x, int64_t n, uint16_t bound_bits, int64_t* changed) {
+  using VA = Vectorized<float>;
+  constexpr int64_t kStep = 16;
+  constexpr int64_t kRun = 32;
+  constexpr uint16_t kInfBits = std::is_same_v<scalar_t, c10::BFloat16> ? 0x7f80 : 0x7c00;
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff), sign_mask = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m256i zero_bits = _mm256_setzero_si256(), inf_bits = _mm256_set1_epi16(static_cast<int16_t>(kInfBits));
+  const __m256i bound = _mm256_set1_epi16(static_cast<int16_t>(bound_bits));
+  __m256i max_bits = zero_bits, zero_lanes = zero_bits, nan_lanes = zero_bits, inf_lanes = zero_bits,
+          changed_lanes = zero_bits;
+  int64_t zeros = 0, nans = 0, infs = 0, clamped = 0;
+  const auto fold_counts = [&]() {
+    alignas(32) uint16_t b[4][kStep];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b[0]), zero_lanes);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b[1]), nan_lanes);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b[2]), inf_lanes);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b[3]), changed_lanes);
+    for (int k = 0; k < kStep; ++k) {
+      zeros += b[0][k];
+      nans += b[1][k];
+      infs += b[2][k];
+      clamped += b[3][k];
+    }
+    zero_lanes = nan_lanes = inf_lanes = changed_lanes = zero_bits;
+  };
+  const VA zeros_v(0.f);
+  const LaneSums<float> no_sums{zeros_v, zeros_v, zeros_v};
+  LaneSums<float> r0 = no_sums, r1 = no_sums, mid = no_sums, top = no_sums;
+  const auto step = [&](__m256i v) {
+    const __m256i a = _mm256_and_si256(v, abs_mask);
+    zero_lanes = _mm256_sub_epi16(zero_lanes, _mm256_cmpeq_epi16(a, zero_bits));  // -1 per zero
+    max_bits = _mm256_max_epu16(max_bits, a);
+    const __m256i nan = _mm256_cmpgt_epi16(a, inf_bits);  // a <= 0x7fff: signed compares are exact
+    nan_lanes = _mm256_sub_epi16(nan_lanes, nan);
+    inf_lanes = _mm256_sub_epi16(inf_lanes, _mm256_cmpeq_epi16(a, inf_bits));
+    const __m256i over = _mm256_andnot_si256(nan, _mm256_cmpgt_epi16(a, bound));
+    changed_lanes = _mm256_sub_epi16(changed_lanes, over);
+    __m256 lo, hi;
+    widen16<scalar_t>(v, lo, hi);
+    const VA l(lo), h(hi);
+    r0.sum = r0.sum + l;
+    r0.sumsq = at::vec::fmadd(l, l, r0.sumsq);
+    r1.sum = r1.sum + h;
+    r1.sumsq = at::vec::fmadd(h, h, r1.sumsq);
+    return _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_and_si256(v, sign_mask), bound), over);
+  };
+  int64_t i = 0;
+  for (int runs = 1; n - i >= kStep; ++runs) {
+    for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
+      auto* p = reinterpret_cast<__m256i*>(x + i);
+      _mm256_storeu_si256(p, step(_mm256_loadu_si256(p)));
+    }
+    mid.template add<PowMode::kNone>(r0, r1);
+    r0 = r1 = no_sums;
+    if (runs % kRun == 0) {
+      top.template add<PowMode::kNone>(mid, no_sums);
+      mid = no_sums;
+      fold_counts();
+    }
+  }
+  const int64_t rem = n - i;
+  if (rem > 0) {  // zero-padded: a 0 adds nothing but a zero (taken off) and is never clamped
+    alignas(32) uint16_t buf[kStep] = {};
+    std::memcpy(buf, x + i, rem * sizeof(scalar_t));
+    auto* p = reinterpret_cast<__m256i*>(buf);
+    _mm256_store_si256(p, step(_mm256_load_si256(p)));
+    std::memcpy(x + i, buf, rem * sizeof(scalar_t));
+    mid.template add<PowMode::kNone>(r0, r1);
+    zeros -= kStep - rem;
+  }
+  top.template add<PowMode::kNone>(mid, no_sums);
+  fold_counts();
+  StatsAcc<float> s;
+  float b_sum[VA::size()], b_sq[VA::size()];
+  top.sum.store(b_sum);
+  top.sumsq.store(b_sq);
+  for (int k = 0; k < VA::size(); ++k) {  // in lane order
+    s.sum += b_sum[k];
+    s.sumsq += b_sq[k];
+  }
+  alignas(32) uint16_t b_max[kStep];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(b_max), max_bits);
+  uint16_t max_abs_bits = 0;
+  for (int k = 0; k < kStep; ++k) max_abs_bits = std::max(max_abs_bits, b_max[k]);
+  s.maxabs = float_of_bits16<scalar_t>(max_abs_bits);
+  s.zero = zeros;
+  s.set_nonfinite_counts(nans, infs);
+  *changed = clamped;
+  return s;
+}
+#endif
+
 template <typename scalar_t>
 void clamp_typed(const UnitArgs& args, double v, int64_t begin, int64_t end, acc_of<scalar_t>* fp,
                  int64_t* cp, int64_t* clamped) {
   using acc_t = acc_of<scalar_t>;
   const scalar_t v_stored = static_cast<scalar_t>(v), neg_stored = static_cast<scalar_t>(-v);
   const acc_t v_acc = static_cast<acc_t>(v_stored);  // the bound as torch rounds it
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    if ((v_stored.x & 0x8000) == 0) {  // (a bound of -0.0 takes the loop below)
+      for (int64_t item = begin; item < end; ++item) {
+        const UnitItem it = args.plan->locate(item);
+        scalar_t* x = static_cast<scalar_t*>(args.spans[it.tensor].data) + it.offset;
+        clamp_16bit<scalar_t>(x, it.n, v_stored.x, clamped + it.prow)
+            .store(fp + it.prow * kNumFloatStats, cp + it.prow * kNumCountStats);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t item = begin; item < end; ++item) {
     const UnitItem it = args.plan->locate(item);
     scalar_t* x = static_cast<scalar_t*>(args.spans[it.tensor].data) + it.offset;
