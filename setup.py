@@ -160,6 +160,11 @@ def extensions():
     # -fopenmp: at::parallel_for is a header template that expands to `#pragma omp parallel` in
     # our own objects; without the flag it silently runs on one thread.
     cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi", "-fopenmp"]
+    if not debug:
+        # Python's sysconfig CFLAGS (put first on every host compile line) usually hold -g: debug
+        # info for torch's headers costs compile time and nothing checks it (DEBUG=1 keeps it).
+        # Last on the line, -g0 wins.
+        cxx += ["-g0"]
     link = ["-fopenmp"]
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]

@@ -1,6 +1,8 @@
 // The gradfuse._C extension: op schemas (implemented per backend in cpu/ and cuda/) and what the
 // module was built against.
-#include <torch/extension.h>
+// pybind11 and the op library only: torch/extension.h (all of torch's C++ frontend) more than
+// doubled this file's compile time, and nothing here uses it.
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include "common/chunk_plan.h"

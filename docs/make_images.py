@@ -4,6 +4,10 @@
 
 - docs/gradflow.png: the demo's gradient-flow picture (`python -m gradfuse demo`, 200 steps,
   the same seed: a planted spike at step 66 and a NaN at step 133).
+- docs/exponents.png and docs/noise_scale.png: the same demo run's per-layer exponent heatmap
+  (`histogram=True` on its logging steps) and gradient noise scale (`noise_scale=`, from its two
+  accumulated micro-batches per step), what the demo writes as runs/demo/gradflow_exponents.png
+  and runs/demo/gradflow_noise_scale.png.
 - docs/benchmarks.png: median time relative to torch.nn.utils.clip_grad_norm_(foreach=True) on
   CPU, float32, from the first CPU run recorded in benchmarks/RESULTS.md (its command is there;
   re-running it rewrites that file, then this script redraws the chart from it).
@@ -26,12 +30,28 @@ METHODS = [("gradfuse_stats", "gradfuse.stats (all statistics)"),
            ("hook_loop", "hooks + per-parameter .item()")]
 
 
-def gradflow(path: str) -> None:
+def demo_pictures(gradflow_path: str, exponents_path: str, noise_scale_path: str) -> None:
+    """One demo run; its log drawn as the gradient-flow picture, the exponent heatmap and the
+    noise-scale curve."""
+    import matplotlib.pyplot as plt
+
     from gradfuse.demo import run
-    from gradfuse.plot import plot_gradflow
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        result = run(steps=200, out_dir=tmp, timing=False)
-        plot_gradflow(result["log"], path, dpi=72)
+    from gradfuse.plot import exponent_figure, noise_scale_figure, plot_gradflow
+    from gradfuse.sinks import read_jsonl
+    with tempfile.TemporaryDirectory() as tmp:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = run(steps=200, out_dir=tmp, timing=False)
+        # (plot_gradflow also writes <tmp>/gradflow_exponents.png and _noise_scale.png, unused)
+        plot_gradflow(result["log"], os.path.join(tmp, "gradflow.png"), dpi=72)
+        os.replace(os.path.join(tmp, "gradflow.png"), gradflow_path)
+        records = read_jsonl(result["log"])
+    for figure, path, what in ((exponent_figure, exponents_path, "exponents"),
+                               (noise_scale_figure, noise_scale_path, "noise_scale")):
+        if not any(r.get(what) for r in records):
+            raise RuntimeError(f"the demo run logged no {what!r} records: cannot draw {path}")
+        fig = figure(records)
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
 
 
 def results_tables(md_path: str, section: str = "## CPU, 2026-12-02") -> dict:
@@ -85,8 +105,8 @@ def benchmarks(path: str, dtype: str = "float32") -> None:
 def main() -> int:
     sys.path.insert(0, ROOT)
     benchmarks(os.path.join(DOCS, "benchmarks.png"))
-    gradflow(os.path.join(DOCS, "gradflow.png"))
-    for name in ("gradflow.png", "benchmarks.png"):
+    demo_pictures(*(os.path.join(DOCS, name) for name in ("gradflow.png", "exponents.png", "noise_scale.png")))
+    for name in ("gradflow.png", "benchmarks.png", "exponents.png", "noise_scale.png"):
         print(os.path.join("docs", name), os.path.getsize(os.path.join(DOCS, name)), "bytes")
     return 0
 

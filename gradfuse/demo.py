@@ -80,7 +80,10 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
         timing: bool = True) -> dict:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    seq, batch = 12, 64
+    # Each step's batch of 64 sequences is taken as 2 accumulated micro-batches of 32 (the same
+    # data and, up to rounding, the same gradient as one batch of 64): the gradient noise scale
+    # needs the gradient at two batch sizes, and gradient accumulation gives them.
+    seq, batch, micro_batches = 12, 64, 2
     model = TinyTransformer(d=32 if tiny else 64, layers=2 if tiny else 4, seq=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     os.makedirs(out_dir, exist_ok=True)
@@ -93,7 +96,12 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
     # only); trace_nonfinite=True: names the module where a NaN first appears, on any step.
     handle = gradfuse.attach(opt, model, max_norm=1.0, every=max(steps // 40, 1),
                              on_nonfinite="skip", explode_threshold=1e3, on_explode="skip",
-                             sinks=[JsonlSink(log_path)], activations=True, trace_nonfinite=True)
+                             sinks=[JsonlSink(log_path)], activations=True, trace_nonfinite=True,
+                             # the exponent heatmap and numeric headroom on logging steps, and the
+                             # gradient noise scale (attach sees the micro-batches' backward passes)
+                             histogram=True,
+                             noise_scale=gradfuse.NoiseScale(batch_size=batch // micro_batches,
+                                                             accumulation_steps=micro_batches))
     mon = handle.monitor
     spike_step, nan_step, forward_nan_step = steps // 3, (2 * steps) // 3, (5 * steps) // 6
     caught = []
@@ -104,12 +112,15 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
           f"a NaN in the forward output of layers.0.linear1 at step {forward_nan_step}")
     for step in range(steps):
         x, y = sorting_batch(batch, seq, gen)
-        plant = (model.layers[0].linear1.register_forward_hook(_plant_nan, prepend=True)
-                 if step == forward_nan_step else None)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        if plant is not None:
-            plant.remove()
-        (loss * (1e6 if step == spike_step else 1.0)).backward()
+        loss = 0.0
+        for micro, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            plant = (model.layers[0].linear1.register_forward_hook(_plant_nan, prepend=True)
+                     if step == forward_nan_step and micro == 0 else None)
+            part = nn.functional.cross_entropy(model(xm).flatten(0, 1), ym.flatten()) / micro_batches
+            if plant is not None:
+                plant.remove()
+            (part * (1e6 if step == spike_step else 1.0)).backward()
+            loss = loss + part.detach()
         if step == nan_step:
             model.layers[1].linear1.weight.grad[3, 5] = float("nan")
         with warnings.catch_warnings():  # the demo prints what the monitor caught below
@@ -139,18 +150,29 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
     try:
         from gradfuse.plot import plot_gradflow
         from gradfuse.plot_activations import plot_activations
+        # also draws gradflow_exponents.png (histogram=True) and gradflow_noise_scale.png
         picture = plot_gradflow(log_path, os.path.join(out_dir, "gradflow.png"))
         act_picture = plot_activations(log_path, os.path.join(out_dir, "gradflow_activations.png"))
     except ImportError as e:
         print(f"\n(no picture: {e})")
+    extra = {}
+    if picture:
+        root, ext = os.path.splitext(picture)
+        extra = {"exponents_picture": f"{root}_exponents{ext}", "noise_scale_picture": f"{root}_noise_scale{ext}"}
+    noise = mon.noise_scale.host_values() if mon.noise_scale is not None else None
+    if noise is not None:
+        print(f"\ngradient noise scale (2 accumulated micro-batches of {batch // micro_batches}): "
+              f"B_simple = {noise['noise_scale']:.0f} sequences (|G|^2 = {noise['G2']:.3g}, "
+              f"tr(Sigma) = {noise['trSigma']:.3g}); the demo's batch is {batch}")
     print(f"\nlog: {log_path}" + (f"\npicture: {picture}" if picture else "")
-          + (f"\nactivations: {act_picture}" if act_picture else ""))
+          + (f"\nactivations: {act_picture}" if act_picture else "")
+          + "".join(f"\n{k.split('_picture')[0].replace('_', ' ')}: {v}" for k, v in extra.items()))
 
     if timing:
         print_timing(tiny)
     return {"caught": caught, "skipped": mon.skipped_steps, "log": log_path, "picture": picture,
             "loss_first": loss_first, "loss_last": loss_last, "dead_layers": dead,
-            "activations_picture": act_picture}
+            "activations_picture": act_picture, "noise_scale": noise, **extra}
 
 
 def _plant_nan(module, args, output):

@@ -4,5 +4,6 @@
 # Extra arguments go to `python -m gradfuse demo` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # .venv's byte-code is written on first import (see scripts/setup.sh)
 bash scripts/setup.sh demo
 exec .venv/bin/python -m gradfuse demo "$@"

@@ -11,6 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-test}
+# Byte-code for what .venv's python imports is written on first import (pip --no-compile below
+# leaves it out): with PYTHONDONTWRITEBYTECODE set, every later python (the build, the checks,
+# the demo) would compile torch's modules again, about 4 s of CPU each time.
+unset PYTHONDONTWRITEBYTECODE
 PIP_EXTRA=()
 case "$MODE" in
   test) REQUIREMENTS=requirements-dev.txt ;;
@@ -29,12 +33,19 @@ echo "[setup] installing $REQUIREMENTS (torch 2.14.1 is several GB the first tim
 .venv/bin/python -m pip install -q --disable-pip-version-check ${PIP_EXTRA[@]+"${PIP_EXTRA[@]}"} -r "$REQUIREMENTS" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
 
-# What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load).
-built_kind() {
+# What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load),
+# and on a second line gradfuse.build_info() as JSON.
+build_state() {
+  if ! compgen -G "gradfuse/_C*.so" > /dev/null; then
+    echo none  # nothing built (a fresh clone): no need to start python and import torch
+    return
+  fi
   .venv/bin/python - <<'PY' 2>/dev/null || echo none
+import json
 import gradfuse
 info = gradfuse.build_info()
 print(("cuda" if info["with_cuda"] else "cpu") if info.get("extension_loaded") else "none")
+print(json.dumps(info))
 PY
 }
 
@@ -47,24 +58,27 @@ build() {  # build [extra setup.py arguments]
   fi
 }
 
-BEFORE=$(built_kind)
+BEFORE=$(build_state)
+BEFORE=${BEFORE%%$'\n'*}  # its first line
 if [ "$MODE" = demo ] && [ "$BEFORE" != cuda ] && [ -z "${GRADFUSE_CUDA:-}" ]; then
   export GRADFUSE_CUDA=0  # the demo runs on the CPU: kernels for absent GPUs are for tests, CI, wheels
 fi
 echo "[setup] building gradfuse._C ($([ "${GRADFUSE_CUDA:-}" = 0 ] && echo "CPU kernels only" || echo "CPU and CUDA kernels when a toolkit is found"); a few minutes the first time; MAX_JOBS=${MAX_JOBS:-auto})"
 build
 WANT=$(grep -q "^\[gradfuse setup\] CUDA kernels: yes" build/setup.log && echo cuda || echo cpu)
-AFTER=$(built_kind)
+STATE=$(build_state)
+AFTER=${STATE%%$'\n'*}
 if [ "$AFTER" != "$WANT" ]; then
   # setuptools skips an extension whose .so is newer than its sources, even when the last build
   # was of the other kind (the demo's CPU-only build before the tests) or no longer loads.
   echo "[setup] the build in place is '$AFTER', this setup wants '$WANT': rebuilding"
   build --force
-  AFTER=$(built_kind)
+  STATE=$(build_state)
+  AFTER=${STATE%%$'\n'*}
   if [ "$AFTER" != "$WANT" ]; then
     echo "[setup] after a forced rebuild gradfuse._C is '$AFTER', not '$WANT'; see build/setup.log" >&2
     exit 1
   fi
 fi
 grep "^\[gradfuse setup\]" build/setup.log || true
-.venv/bin/python -c "import gradfuse, json; print('[setup] gradfuse build:', json.dumps(gradfuse.build_info()))"
+echo "[setup] gradfuse build: ${STATE#*$'\n'}"
