@@ -108,8 +108,17 @@ def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
     return a.sum(dim=tuple(d for d in range(t.dim()) if d != dim))
 
 
-def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
-    """Dead units per row, from the rows' activity vectors: three device ops for all rows."""
+def _dead_counts(activity: list) -> torch.Tensor:
+    """Dead units per row, from the rows' activity vectors: three device ops for all rows. A row
+    may instead hold its dead-unit count as an int (known without the per-unit pass, see
+    :func:`_known_dead`)."""
+    if any(isinstance(a, int) for a in activity):
+        known = [a if isinstance(a, int) else None for a in activity]
+        vectors = [a for a in activity if not isinstance(a, int)]
+        counted = iter(_dead_counts(vectors).tolist()) if vectors else iter(())
+        dev = vectors[0].device if vectors else "cpu"
+        return torch.tensor([next(counted) if k is None else k for k in known], dtype=torch.int64,
+                            device=dev)
     lengths = [len(a) for a in activity]
     if not activity or not sum(lengths):
         return torch.zeros(len(activity), dtype=torch.int64,
@@ -118,6 +127,22 @@ def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
     ends = torch.tensor(lengths, device=dead.device).cumsum(0)
     at_end = torch.cat([dead.new_zeros(1), dead])[ends]
     return at_end.diff(prepend=at_end.new_zeros(1))
+
+
+def _known_dead(t: torch.Tensor, dim: int, zeros: int) -> int | None:
+    """The number of dead units when the zero count alone decides it, else None. A dead unit is
+    ``numel / units`` zeros: with fewer zeros in the whole output no unit can be dead (0), with
+    every element zero all are. Exact; used on the CPU only, where reading the count (a CPU
+    tensor) costs no device sync, to skip the per-unit pass (most outputs of GELU, tanh,
+    convolutions and norms, and their gradients, hold no zero at all)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return 0
+    units = t.shape[dim]
+    if zeros < t.numel() // units:
+        return 0
+    if zeros == t.numel():
+        return units
+    return None
 
 
 class ActivationStats(GradStats):
@@ -393,7 +418,13 @@ class ActivationCapture:
             counts = torch.cat([c.to(dev) for _, c in parts])
         if not self.full:
             return floats, counts, None
-        return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
+        if tensors[0].device.type != "cpu":  # no host read in a hook on an accelerator
+            return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
+        dead = []
+        for t, d, zeros in zip(tensors, dims, counts[:, ZERO].tolist()):
+            known = _known_dead(t, d, zeros) if t.device.type == "cpu" else None
+            dead.append(_unit_activity(t, d) if known is None else known)
+        return floats, counts, dead
 
     def _rows_memo(self, original: torch.Tensor, tensors: list[torch.Tensor], dims: list[int], side: int):
         """``_rows``, reusing the last hook's rows when this hook sees the very same value: a
@@ -461,7 +492,7 @@ class ActivationCapture:
         dev = events[0].floats.device
         floats = torch.cat([e.floats.to(dev) for e in events])
         counts = torch.cat([e.counts.to(dev) for e in events])
-        dead = _dead_counts([a.to(dev) for e in events for a in e.dead])
+        dead = _dead_counts([a if isinstance(a, int) else a.to(dev) for e in events for a in e.dead])
         units = torch.tensor([u for e in events for u in e.units], dtype=torch.int64)
         return ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
 

@@ -405,13 +405,13 @@ class SubclassOut(nn.Module):
 def test_a_hook_that_fails_warns_once_and_leaves_the_module_out(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     from gradfuse import activations as acts
-    real = acts._unit_activity
+    real = acts.unit_dim
 
-    def broken(t, dim):
+    def broken(module, t):
         if t.shape[-1] == 2:
             raise RuntimeError("an odd output")
-        return real(t, dim)
-    monkeypatch.setattr(acts, "_unit_activity", broken)
+        return real(module, t)
+    monkeypatch.setattr(acts, "unit_dim", broken)
     with pytest.warns(RuntimeWarning, match=r"module '2' left out \(forward hook: RuntimeError: an odd output"):
         with capture_activations(model) as cap:
             for _ in range(3):
@@ -612,6 +612,28 @@ def test_dead_counts_per_row():
             torch.tensor([5, 5])]
     assert _dead_counts(acts).tolist() == [2, 0, 1, 0]
     assert _dead_counts([]).tolist() == []
+    assert _dead_counts([3, torch.tensor([0, 1, 0]), 0, torch.tensor([0.0])]).tolist() == [3, 2, 0, 1]
+    assert _dead_counts([0, 4]).tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((2, 7, 6), 2), ((6,), 0), ((3, 1), 1)])
+def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape, dim):
+    """On the CPU the per-unit pass is skipped when the zero count decides the answer: too few
+    zeros for one unit (0 dead) or all zeros (all dead); every other case takes the pass."""
+    from gradfuse.activations import _known_dead, _unit_activity
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(shape, generator=gen), torch.zeros(shape), torch.randn(shape, generator=gen).relu()]
+    one_dead = torch.randn(shape, generator=gen)
+    one_dead.select(dim, 0).zero_()
+    almost = one_dead.clone()
+    almost[(0,) * len(shape)] = math.nan  # NaN is not zero: the unit is alive
+    cases += [one_dead, almost]
+    for t in cases:
+        truth = int(_unit_activity(t, dim).eq(0).sum()) if t.dim() else 0
+        known = _known_dead(t, dim, int(t.eq(0).sum()))
+        assert known is None or known == truth
+    assert _known_dead(one_dead, dim, int(one_dead.eq(0).sum())) is None or shape[dim] == 1
+    assert _known_dead(cases[0], dim, 0) == 0 and _known_dead(cases[1], dim, cases[1].numel()) == shape[dim]
 
 
 def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_drops_hooks():
