@@ -338,6 +338,7 @@ class ActivationCapture:
         self._cache: dict = {}
         self._ops: dict = {}
         self._memo: list = [None, None]  # forward, backward: (weakref, version, unit dim, rows)
+        self._zero_counts: dict = {}
         self._armed = False
         # (id, version) of output tensors -> the module that output them first; the weak values
         # keep no tensor alive and drop ids that a freed tensor could hand on
@@ -405,8 +406,24 @@ class ActivationCapture:
                                       if ops._ext.use_compiled(device) else ops.reference.multi_tensor_stats)
         return op
 
+    def _trace_rows_cpu(self, tensors: list[torch.Tensor]):
+        """Trace mode on the CPU: the NaN / Inf counts with one plain sum per tensor. A sum is
+        finite exactly when every element is finite, unless it overflows; so a finite sum means
+        no NaN and no Inf (counts of 0, exact), and a non-finite one takes the fused op for the
+        exact counts. Reading the sum costs no device sync on the CPU."""
+        if all(math.isfinite(t.sum().item()) for t in tensors):
+            zeros = self._zero_counts.get(len(tensors))
+            if zeros is None:  # shared: rows are only ever read through torch.cat (a copy)
+                zeros = self._zero_counts[len(tensors)] = torch.zeros((len(tensors), 4), dtype=torch.int64)
+            return None, zeros, None
+        return None
+
     def _rows(self, tensors: list[torch.Tensor], dims: list[int]):
         # the tensors are detached: nothing here is recorded by autograd
+        if not self.full and all(t.is_cpu for t in tensors):
+            rows = self._trace_rows_cpu(tensors)
+            if rows is not None:
+                return rows
         try:
             floats, counts = self._stats_op(tensors[0].device)(tensors, 2.0)
         except RuntimeError:  # several dtypes or devices: one call each
@@ -418,11 +435,11 @@ class ActivationCapture:
             counts = torch.cat([c.to(dev) for _, c in parts])
         if not self.full:
             return floats, counts, None
-        if tensors[0].device.type != "cpu":  # no host read in a hook on an accelerator
+        if not counts.is_cpu:  # no host read in a hook on an accelerator
             return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
         dead = []
-        for t, d, zeros in zip(tensors, dims, counts[:, ZERO].tolist()):
-            known = _known_dead(t, d, zeros) if t.device.type == "cpu" else None
+        for t, d, row in zip(tensors, dims, counts.tolist()):
+            known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
             dead.append(_unit_activity(t, d) if known is None else known)
         return floats, counts, dead
 

@@ -650,3 +650,34 @@ def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_dr
     mon.enabled = False
     mon.step()
     assert forward_hooks(model) == 0
+
+
+class Huge(nn.Module):
+    """Finite outputs whose plain sum overflows (fp32: 4 x 3e38; fp16: 4 x 6e4)."""
+
+    def forward(self, x):
+        big = 3e38 if x.dtype == torch.float32 else 6e4
+        return x * 0 + torch.full_like(x, big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_trace_mode_counts_are_exact_when_a_finite_output_sums_to_inf(dtype):
+    """Trace mode on the CPU reads one plain sum per output; a sum that overflows while every
+    element is finite must not be reported as non-finite (the fused op counts it again)."""
+    from gradfuse.activations import ActivationCapture
+    model = nn.Sequential(nn.Identity(), Huge(), nn.Identity()).to(dtype)
+    x = torch.ones(2, 2, dtype=dtype, requires_grad=True)
+    cap = ActivationCapture(model, stats=False, trace_nonfinite=True).arm()
+    model(x).sum().backward()  # the loss overflows: the gradients stay finite (ones)
+    cap.disarm()
+    assert cap.first_nonfinite is None
+    with torch.no_grad():
+        assert torch.isinf(Huge()(x).sum()) and torch.isfinite(Huge()(x)).all()  # the case is real
+    x2 = torch.ones(2, 2, dtype=dtype)
+    x2[0, 1] = math.nan
+    cap = ActivationCapture(model, stats=False, trace_nonfinite=True).arm()
+    model(x2 * 2)  # NaN * 0 stays NaN in Huge: its output holds 1 NaN, the Identity before it too
+    cap.disarm()
+    assert cap.first_nonfinite == ("forward", "0")
+    origin = cap.nonfinite_origin()
+    assert origin["nan"] == 1 and origin["inf"] == 0
