@@ -35,6 +35,13 @@ Cost and memory
     Per hook: the fused statistics op on the output (or gradient) and, for dead units, one
     ``abs().sum()`` over all but the unit dimension; results stay in small device tensors that are read in one
     transfer when asked for. No hook keeps a reference to an activation or a gradient.
+    A hook that sees the very value the previous hook on the same side saw (a block returning its
+    last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
+    reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
+    version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
+    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`, exact), and
+    the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
+    counts). On an accelerator nothing is read in a hook.
 
 Errors
     A hook never raises into the forward or the backward: a module whose output the statistics
