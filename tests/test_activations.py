@@ -620,7 +620,7 @@ def test_dead_counts_per_row():
 def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape, dim):
     """On the CPU the per-unit pass is skipped when the zero count decides the answer: too few
     zeros for one unit (0 dead) or all zeros (all dead); every other case takes the pass."""
-    from gradfuse.activations import _known_dead, _unit_activity
+    from gradfuse.activations import _known_dead, _one_slice_alive, _unit_activity
     gen = torch.Generator().manual_seed(0)
     cases = [torch.randn(shape, generator=gen), torch.zeros(shape), torch.randn(shape, generator=gen).relu()]
     one_dead = torch.randn(shape, generator=gen)
@@ -628,10 +628,18 @@ def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape
     almost = one_dead.clone()
     almost[(0,) * len(shape)] = math.nan  # NaN is not zero: the unit is alive
     cases += [one_dead, almost]
+    last_zero = torch.randn(shape, generator=gen)
+    if len(shape) > 1:
+        last_zero[-1] = 0  # the last example (or position) all zero: zeros, no dead unit
+        cases.append(last_zero)
     for t in cases:
         truth = int(_unit_activity(t, dim).eq(0).sum()) if t.dim() else 0
         known = _known_dead(t, dim, int(t.eq(0).sum()))
         assert known is None or known == truth
+        assert not _one_slice_alive(t, dim) or truth == 0
+    assert _one_slice_alive(cases[0], dim) and not _one_slice_alive(cases[1], dim)
+    if len(shape) > 1:  # many zeros (a whole last position), no dead unit: the slice decides
+        assert _one_slice_alive(last_zero, dim)
     assert _known_dead(one_dead, dim, int(one_dead.eq(0).sum())) is None or shape[dim] == 1
     assert _known_dead(cases[0], dim, 0) == 0 and _known_dead(cases[1], dim, cases[1].numel()) == shape[dim]
 
