@@ -244,6 +244,26 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
         with ReadFloor(model):
             loss_fn().backward()
 
+    acts = gradfuse.activations
+
+    def capture_no_dead_units():  # decomposition: the capture without its dead-unit passes
+        real = acts._unit_activity
+        acts._unit_activity = lambda t, dim: 0
+        try:
+            capture()
+        finally:
+            acts._unit_activity = real
+
+    def hooks_only():  # decomposition: the capture's hooks and bookkeeping, reading no tensor
+        cap = acts.ActivationCapture(model, stats=False)
+        zeros = torch.zeros((1, 4), dtype=torch.int64)
+        cap._rows = lambda tensors, dims: (None, zeros.expand(len(tensors), 4), None)
+        cap.arm()
+        try:
+            loss_fn().backward()
+        finally:
+            cap.disarm()
+
     mon_plain = gradfuse.GradMonitor(model, every=10 ** 9, start_step=1, on_nonfinite="ignore")
     mon_act = gradfuse.GradMonitor(model, every=10 ** 9, start_step=1, on_nonfinite="ignore", activations=True)
     mon_trace = gradfuse.GradMonitor(model, every=10 ** 9, start_step=1, on_nonfinite="ignore",
@@ -268,13 +288,13 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
             with torch.autograd.detect_anomaly():
                 loss_fn().backward()
 
-    variants = {"plain": plain, "capture": capture, "hook_loop": hook_loop, "read_floor": read_floor,
+    variants = {"plain": plain, "capture": capture, "capture_no_dead_units": capture_no_dead_units,
+                "hooks_only": hooks_only, "hook_loop": hook_loop, "read_floor": read_floor,
                 "monitor": monitored(mon_plain, "monitor"),
                 "monitor_activations_unsampled": monitored(mon_act, "monitor_activations_unsampled"),
                 "monitor_trace": monitored(mon_trace, "monitor_trace"), "detect_anomaly": anomaly}
     if only:
-        keep = set(only) | {"plain" if k in ("capture", "hook_loop", "read_floor", "detect_anomaly")
-                            else "monitor" for k in only}
+        keep = set(only) | {BASELINE[k] for k in only}
         variants = {k: v for k, v in variants.items() if k in keep}
     # warm up every variant (allocator, first-call costs) and count what each side reads
     with HookLoop(model) as loop:
@@ -313,9 +333,12 @@ def report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read) -> s
     return partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_seen)
 
 
-BASELINE = {"capture": "plain", "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
+BASELINE = {"capture": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
+            "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
             "monitor_activations_unsampled": "monitor", "monitor_trace": "monitor"}
 TITLES = {"plain": "plain forward+backward", "capture": "(a) capture_activations, every module",
+          "capture_no_dead_units": "  capture without its dead-unit passes (decomposition)",
+          "hooks_only": "  capture's hooks and bookkeeping only, no tensor read (decomposition)",
           "hook_loop": "(b) hook loop with .item()",
           "read_floor": "floor: one t.sum() per distinct output and output gradient, nothing else",
           "detect_anomaly": "detect_anomaly", "monitor": "monitor step (fwd+bwd+GradMonitor.step)",
