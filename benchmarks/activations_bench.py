@@ -15,7 +15,7 @@ the table gives medians and the median of the per-round ratios to the baseline o
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
-    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--smoke]
+    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--smoke] [--variants capture,...]
 """
 from __future__ import annotations
 
@@ -160,8 +160,68 @@ class HookLoop:
             h.remove()
 
 
+class ReadFloor:
+    """The floor of any exact capture: one read of every distinct output and output gradient
+    (``t.sum()``, no result kept, a value seen by the previous hook not read again, as gradfuse
+    reuses its rows) and nothing else: no statistics, no dead units, no bookkeeping."""
+
+    def __init__(self, model):
+        self.model = model
+        self.handles, self.last, self.bytes, self.tensors = [], [None, None], 0, 0
+
+    def __enter__(self):
+        for module in self.model.modules():
+            self.handles.append(module.register_forward_hook(self._hook))
+        return self
+
+    def _read(self, t, side):
+        key = (id(t), t._version)
+        if self.last[side] != key:
+            self.last[side] = key
+            t.detach().sum()
+            self.bytes += t.numel() * t.element_size()
+            self.tensors += 1
+
+    def _hook(self, _m, _a, output):
+        for t in _outputs(output):
+            self._read(t, 0)
+            if t.requires_grad:
+                t.register_hook(lambda g: self._read(g, 1))
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def count_capture_bytes(model, loss_fn) -> dict:
+    """What one capture step reads: the fused statistics (each distinct value once) and the
+    per-unit dead-unit passes it could not skip (abs: read + write, sum: read)."""
+    acts = gradfuse.activations
+    real_op, real_activity = None, acts._unit_activity
+    seen = {"stats": 0, "activity": 0, "activity_passes": 0}
+
+    def activity(t, dim):
+        seen["activity"] += 3 * t.numel() * t.element_size()
+        seen["activity_passes"] += 1
+        return real_activity(t, dim)
+
+    acts._unit_activity = activity
+    try:
+        with gradfuse.capture_activations(model) as cap:
+            real_op = cap._stats_op(torch.device("cpu"))
+
+            def op(tensors, p):
+                seen["stats"] += sum(t.numel() * t.element_size() for t in tensors)
+                return real_op(tensors, p)
+            cap._ops[torch.device("cpu")] = op
+            loss_fn().backward()
+    finally:
+        acts._unit_activity = real_activity
+    return seen
+
+
 # -- timing ---------------------------------------------------------------------------------------
-def run_model(label, model, loss_fn, rounds: int, seed: int = 0) -> tuple[str, dict]:
+def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> tuple[str, dict]:
     params = list(model.parameters())
 
     def zero():
@@ -179,6 +239,30 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0) -> tuple[str, d
     def hook_loop():
         with HookLoop(model):
             loss_fn().backward()
+
+    def read_floor():
+        with ReadFloor(model):
+            loss_fn().backward()
+
+    acts = gradfuse.activations
+
+    def capture_no_dead_units():  # decomposition: the capture without its dead-unit passes
+        real = acts._unit_activity
+        acts._unit_activity = lambda t, dim: 0
+        try:
+            capture()
+        finally:
+            acts._unit_activity = real
+
+    def hooks_only():  # decomposition: the capture's hooks and bookkeeping, reading no tensor
+        cap = acts.ActivationCapture(model, stats=False)
+        zeros = torch.zeros((1, 4), dtype=torch.int64)
+        cap._rows = lambda tensors, dims: (None, zeros.expand(len(tensors), 4), None)
+        cap.arm()
+        try:
+            loss_fn().backward()
+        finally:
+            cap.disarm()
 
     mon_plain = gradfuse.GradMonitor(model, every=10 ** 9, start_step=1, on_nonfinite="ignore")
     mon_act = gradfuse.GradMonitor(model, every=10 ** 9, start_step=1, on_nonfinite="ignore", activations=True)
@@ -204,16 +288,25 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0) -> tuple[str, d
             with torch.autograd.detect_anomaly():
                 loss_fn().backward()
 
-    variants = {"plain": plain, "capture": capture, "hook_loop": hook_loop,
+    variants = {"plain": plain, "capture": capture, "capture_no_dead_units": capture_no_dead_units,
+                "hooks_only": hooks_only, "hook_loop": hook_loop, "read_floor": read_floor,
                 "monitor": monitored(mon_plain, "monitor"),
                 "monitor_activations_unsampled": monitored(mon_act, "monitor_activations_unsampled"),
                 "monitor_trace": monitored(mon_trace, "monitor_trace"), "detect_anomaly": anomaly}
+    if only:
+        keep = set(only) | {BASELINE[k] for k in only}
+        variants = {k: v for k, v in variants.items() if k in keep}
     # warm up every variant (allocator, first-call costs) and count what each side reads
     with HookLoop(model) as loop:
         loss_fn().backward()
     zero()
+    with ReadFloor(model) as floor:
+        loss_fn().backward()
+    zero()
     with gradfuse.capture_activations(model) as cap:
         loss_fn().backward()
+    zero()
+    read = count_capture_bytes(model, loss_fn)
     zero()
     for fn in variants.values():
         fn()
@@ -233,57 +326,67 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0) -> tuple[str, d
             mon_trace._act_hooks.take()
             zero()
     mon_trace.close()
-    return report(label, times, walls, loop, cap, hooks_seen, rounds), times
+    return report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read), times
 
 
-def report(label, times, walls, loop, cap, hooks_seen, rounds) -> str:
+def report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read) -> str:
+    return partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_seen)
+
+
+BASELINE = {"capture": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
+            "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
+            "monitor_activations_unsampled": "monitor", "monitor_trace": "monitor"}
+TITLES = {"plain": "plain forward+backward", "capture": "(a) capture_activations, every module",
+          "capture_no_dead_units": "  capture without its dead-unit passes (decomposition)",
+          "hooks_only": "  capture's hooks and bookkeeping only, no tensor read (decomposition)",
+          "hook_loop": "(b) hook loop with .item()",
+          "read_floor": "floor: one t.sum() per distinct output and output gradient, nothing else",
+          "detect_anomaly": "detect_anomaly", "monitor": "monitor step (fwd+bwd+GradMonitor.step)",
+          "monitor_activations_unsampled": "(c) monitor, activations=True, unsampled step",
+          "monitor_trace": "(d) monitor, trace_nonfinite=True"}
+
+
+def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_seen) -> str:
+    """The table for the variants run (all, or ``--variants``), each against its baseline of the
+    round. Bytes: gradfuse's counted from the ops as run (the fused statistics on each distinct
+    value, 3 N per dead-unit pass taken); the hook loop's per activation/gradient byte N (fp32:
+    a bool is N/4): mean N, std N, norm N, isnan N + N/4 + any N/4, ==0 N + N/4, .float() N/4 + N,
+    mean N, ne(0) N + N/4, any N/4 = 9.75 N."""
     med = {k: statistics.median(v) for k, v in times.items()}
     wall = {k: statistics.median(v) for k, v in walls.items()}
 
-    def ratio(k, base):  # median of the per-round ratios
+    def ratio(k, base):
         return statistics.median(a / b for a, b in zip(times[k], times[base]))
 
-    over_capture = med["capture"] - med["plain"]
-    over_loop = med["hook_loop"] - med["plain"]
-    act_bytes = loop.bytes
-    # what each side reads and writes per activation/gradient byte N (fp32: a bool is N/4),
-    # counted from the ops as written (an upper bound for gradfuse: rows reused for a block that
-    # returns its child's tensor read nothing):
-    # gradfuse: the fused stats (N) + abs (N read, N write) + sum over all but the unit dim (N) = 4N
-    # hook loop: mean N, std N, norm N, isnan N + N/4 + any N/4, ==0 N + N/4, .float() N/4 + N,
-    #            mean N, ne(0) N + N/4, any N/4 = 9.75N
-    ours, theirs = 4 * act_bytes, 9.75 * act_bytes
-    syncs = ITEMS_PER_TENSOR * loop.tensors
-    lines = [
-        f"**{label}**: {len(cap.forward)} forward rows and {len(cap.backward)} backward rows per step, "
-        f"{act_bytes / 1e6:.1f} MB of outputs and output gradients; {rounds} rounds",
-        "",
-        "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of per-round ratios) |",
-        "|---|---:|---:|---:|",
-        f"| plain forward+backward | {1e3 * med['plain']:.1f} | {1e3 * wall['plain']:.1f} | baseline |",
-        f"| (a) capture_activations, every module | {1e3 * med['capture']:.1f} | {1e3 * wall['capture']:.1f} | "
-        f"{ratio('capture', 'plain'):.3f}x |",
-        f"| (b) hook loop with .item() | {1e3 * med['hook_loop']:.1f} | {1e3 * wall['hook_loop']:.1f} | "
-        f"{ratio('hook_loop', 'plain'):.3f}x |",
-        f"| detect_anomaly | {1e3 * med['detect_anomaly']:.1f} | {1e3 * wall['detect_anomaly']:.1f} | "
-        f"{ratio('detect_anomaly', 'plain'):.3f}x |",
-        f"| monitor step (fwd+bwd+GradMonitor.step) | {1e3 * med['monitor']:.1f} | {1e3 * wall['monitor']:.1f} | baseline |",
-        f"| (c) monitor, activations=True, unsampled step | {1e3 * med['monitor_activations_unsampled']:.1f} | "
-        f"{1e3 * wall['monitor_activations_unsampled']:.1f} | {ratio('monitor_activations_unsampled', 'monitor'):.3f}x |",
-        f"| (d) monitor, trace_nonfinite=True | {1e3 * med['monitor_trace']:.1f} | {1e3 * wall['monitor_trace']:.1f} | "
-        f"{ratio('monitor_trace', 'monitor'):.3f}x |",
-        "",
-        f"- (a) overhead {100 * over_capture / med['plain']:.1f}% of the step; (b) the hook loop's "
-        f"{100 * over_loop / med['plain']:.1f}%: {over_loop / over_capture if over_capture > 0 else float('inf'):.1f}x "
-        "more overhead than gradfuse's",
-        f"- bytes per step: gradfuse reads/writes at most ~{ours / 1e6:.0f} MB (4 N), the hook loop ~{theirs / 1e6:.0f} MB "
-        f"(9.75 N): {theirs / ours:.1f}x; the hook loop also makes {syncs} `.item()` calls per step, "
-        "each a device sync on a GPU (gradfuse: none in the hooks, one transfer when the rows are read)",
-        f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')} "
-        f"(trace_nonfinite: {hooks_seen.get('monitor_trace')} forward hooks, every step)",
-        f"- detect_anomaly vs trace_nonfinite: {ratio('detect_anomaly', 'plain'):.2f}x vs "
-        f"{ratio('monitor_trace', 'monitor'):.3f}x of their baselines",
-    ]
+    lines = [f"**{label}**: {len(cap.forward)} forward rows and {len(cap.backward)} backward rows per step, "
+             f"{loop.bytes / 1e6:.1f} MB of outputs and output gradients as the hooks see them, "
+             f"{floor.bytes / 1e6:.1f} MB distinct values; {rounds} rounds", "",
+             "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of per-round ratios) |",
+             "|---|---:|---:|---:|"]
+    for k in TITLES:
+        if k in times:
+            r = f"{ratio(k, BASELINE[k]):.3f}x" if k in BASELINE else "baseline"
+            lines.append(f"| {TITLES[k]} | {1e3 * med[k]:.1f} | {1e3 * wall[k]:.1f} | {r} |")
+    lines.append("")
+    if {"capture", "hook_loop"} <= set(times):
+        oc, ol = med["capture"] - med["plain"], med["hook_loop"] - med["plain"]
+        lines.append(f"- overhead (medians): capture {100 * oc / med['plain']:.1f}% of the step, hook loop "
+                     f"{100 * ol / med['plain']:.1f}%: {ol / oc if oc > 0 else float('inf'):.1f}x more than capture's")
+    if "read_floor" in times:
+        of = med["read_floor"] - med["plain"]
+        lines.append(f"- floor (one read of every distinct value, nothing else): {100 * of / med['plain']:.1f}% "
+                     f"of the step (medians), {ratio('read_floor', 'plain'):.3f}x by per-round ratios")
+    if read is not None:
+        lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read once); "
+                     f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats {read['stats'] / 1e6:.0f} MB "
+                     f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB (abs read+write, sum read; "
+                     f"the other rows' dead units are decided by their zero count); the hook loop ~"
+                     f"{9.75 * loop.bytes / 1e6:.0f} MB (9.75 N) and {ITEMS_PER_TENSOR * loop.tensors} `.item()` calls")
+    if "monitor_activations_unsampled" in times:
+        lines.append(f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')}")
+    if "monitor_trace" in times:
+        lines.append(f"- trace_nonfinite vs detect_anomaly: {ratio('monitor_trace', 'monitor'):.3f}x"
+                     + (f" vs {ratio('detect_anomaly', 'plain'):.3f}x" if "detect_anomaly" in times else ""))
     return "\n".join(lines)
 
 
@@ -292,6 +395,10 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--smoke", action="store_true", help="tiny models, for the test suite")
+    parser.add_argument("--variants", default="",
+                        help="comma list of variants to time (their baselines are added): capture, "
+                             "hook_loop, read_floor, detect_anomaly, monitor_activations_unsampled, "
+                             "monitor_trace; default: all")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, steadier than 2)")
     args = parser.parse_args(argv)
@@ -300,7 +407,11 @@ def main(argv=None) -> int:
           f"{gradfuse.backend('cpu')}")
     for name in args.models.split(","):
         label, model, loss_fn = MODELS[name](args.smoke)
-        text, _ = run_model(label, model, loss_fn, args.rounds)
+        only = [v for v in args.variants.split(",") if v]
+        unknown = set(only) - set(BASELINE)
+        if unknown:
+            parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(BASELINE)}")
+        text, _ = run_model(label, model, loss_fn, args.rounds, only=only)
         print(text + "\n", flush=True)
     return 0
 

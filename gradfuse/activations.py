@@ -35,6 +35,14 @@ Cost and memory
     Per hook: the fused statistics op on the output (or gradient) and, for dead units, one
     ``abs().sum()`` over all but the unit dimension; results stay in small device tensors that are read in one
     transfer when asked for. No hook keeps a reference to an activation or a gradient.
+    A hook that sees the very value the previous hook on the same side saw (a block returning its
+    last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
+    reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
+    version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
+    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`) or when one
+    slice across all units holds no zero (:func:`_one_slice_alive`), both exact, and
+    the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
+    counts). On an accelerator nothing is read in a hook.
 
 Errors
     A hook never raises into the forward or the backward: a module whose output the statistics
@@ -108,8 +116,17 @@ def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
     return a.sum(dim=tuple(d for d in range(t.dim()) if d != dim))
 
 
-def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
-    """Dead units per row, from the rows' activity vectors: three device ops for all rows."""
+def _dead_counts(activity: list) -> torch.Tensor:
+    """Dead units per row, from the rows' activity vectors: three device ops for all rows. A row
+    may instead hold its dead-unit count as an int (known without the per-unit pass, see
+    :func:`_known_dead`)."""
+    if any(isinstance(a, int) for a in activity):
+        known = [a if isinstance(a, int) else None for a in activity]
+        vectors = [a for a in activity if not isinstance(a, int)]
+        counted = iter(_dead_counts(vectors).tolist()) if vectors else iter(())
+        dev = vectors[0].device if vectors else "cpu"
+        return torch.tensor([next(counted) if k is None else k for k in known], dtype=torch.int64,
+                            device=dev)
     lengths = [len(a) for a in activity]
     if not activity or not sum(lengths):
         return torch.zeros(len(activity), dtype=torch.int64,
@@ -118,6 +135,33 @@ def _dead_counts(activity: list[torch.Tensor]) -> torch.Tensor:
     ends = torch.tensor(lengths, device=dead.device).cumsum(0)
     at_end = torch.cat([dead.new_zeros(1), dead])[ends]
     return at_end.diff(prepend=at_end.new_zeros(1))
+
+
+def _known_dead(t: torch.Tensor, dim: int, zeros: int) -> int | None:
+    """The number of dead units when the zero count alone decides it, else None. A dead unit is
+    ``numel / units`` zeros: with fewer zeros in the whole output no unit can be dead (0), with
+    every element zero all are. Exact; used on the CPU only, where reading the count (a CPU
+    tensor) costs no device sync, to skip the per-unit pass (most outputs of GELU, tanh,
+    convolutions and norms, and their gradients, hold no zero at all)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return 0
+    units = t.shape[dim]
+    if zeros < t.numel() // units:
+        return 0
+    if zeros == t.numel():
+        return units
+    return None
+
+
+def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
+    """True when one slice holding one element of every unit (index 0 of every other dimension)
+    has no zero: then every unit is alive (a dead unit is zero everywhere, also there). Exact; a
+    tiny read, tried on the CPU before the per-unit pass (a gradient whose last position is all
+    zero, as a causal LM's is, has many zeros but no dead unit)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return True
+    v = t[(0,) * dim + (slice(None),) + (0,) * (t.dim() - dim - 1)]
+    return int(torch.count_nonzero(v)) == v.numel()
 
 
 class ActivationStats(GradStats):
@@ -313,6 +357,7 @@ class ActivationCapture:
         self._cache: dict = {}
         self._ops: dict = {}
         self._memo: list = [None, None]  # forward, backward: (weakref, version, unit dim, rows)
+        self._zero_counts: dict = {}
         self._armed = False
         # (id, version) of output tensors -> the module that output them first; the weak values
         # keep no tensor alive and drop ids that a freed tensor could hand on
@@ -380,8 +425,24 @@ class ActivationCapture:
                                       if ops._ext.use_compiled(device) else ops.reference.multi_tensor_stats)
         return op
 
+    def _trace_rows_cpu(self, tensors: list[torch.Tensor]):
+        """Trace mode on the CPU: the NaN / Inf counts with one plain sum per tensor. A sum is
+        finite exactly when every element is finite, unless it overflows; so a finite sum means
+        no NaN and no Inf (counts of 0, exact), and a non-finite one takes the fused op for the
+        exact counts. Reading the sum costs no device sync on the CPU."""
+        if all(math.isfinite(t.sum().item()) for t in tensors):
+            zeros = self._zero_counts.get(len(tensors))
+            if zeros is None:  # shared: rows are only ever read through torch.cat (a copy)
+                zeros = self._zero_counts[len(tensors)] = torch.zeros((len(tensors), 4), dtype=torch.int64)
+            return None, zeros, None
+        return None
+
     def _rows(self, tensors: list[torch.Tensor], dims: list[int]):
         # the tensors are detached: nothing here is recorded by autograd
+        if not self.full and all(t.is_cpu for t in tensors):
+            rows = self._trace_rows_cpu(tensors)
+            if rows is not None:
+                return rows
         try:
             floats, counts = self._stats_op(tensors[0].device)(tensors, 2.0)
         except RuntimeError:  # several dtypes or devices: one call each
@@ -393,7 +454,15 @@ class ActivationCapture:
             counts = torch.cat([c.to(dev) for _, c in parts])
         if not self.full:
             return floats, counts, None
-        return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
+        if not counts.is_cpu:  # no host read in a hook on an accelerator
+            return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
+        dead = []
+        for t, d, row in zip(tensors, dims, counts.tolist()):
+            known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
+            if known is None and t.is_cpu and _one_slice_alive(t, d):
+                known = 0
+            dead.append(_unit_activity(t, d) if known is None else known)
+        return floats, counts, dead
 
     def _rows_memo(self, original: torch.Tensor, tensors: list[torch.Tensor], dims: list[int], side: int):
         """``_rows``, reusing the last hook's rows when this hook sees the very same value: a
@@ -461,7 +530,7 @@ class ActivationCapture:
         dev = events[0].floats.device
         floats = torch.cat([e.floats.to(dev) for e in events])
         counts = torch.cat([e.counts.to(dev) for e in events])
-        dead = _dead_counts([a.to(dev) for e in events for a in e.dead])
+        dead = _dead_counts([a if isinstance(a, int) else a.to(dev) for e in events for a in e.dead])
         units = torch.tensor([u for e in events for u in e.units], dtype=torch.int64)
         return ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
 

@@ -405,13 +405,13 @@ class SubclassOut(nn.Module):
 def test_a_hook_that_fails_warns_once_and_leaves_the_module_out(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     from gradfuse import activations as acts
-    real = acts._unit_activity
+    real = acts.unit_dim
 
-    def broken(t, dim):
+    def broken(module, t):
         if t.shape[-1] == 2:
             raise RuntimeError("an odd output")
-        return real(t, dim)
-    monkeypatch.setattr(acts, "_unit_activity", broken)
+        return real(module, t)
+    monkeypatch.setattr(acts, "unit_dim", broken)
     with pytest.warns(RuntimeWarning, match=r"module '2' left out \(forward hook: RuntimeError: an odd output"):
         with capture_activations(model) as cap:
             for _ in range(3):
@@ -612,6 +612,36 @@ def test_dead_counts_per_row():
             torch.tensor([5, 5])]
     assert _dead_counts(acts).tolist() == [2, 0, 1, 0]
     assert _dead_counts([]).tolist() == []
+    assert _dead_counts([3, torch.tensor([0, 1, 0]), 0, torch.tensor([0.0])]).tolist() == [3, 2, 0, 1]
+    assert _dead_counts([0, 4]).tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((2, 7, 6), 2), ((6,), 0), ((3, 1), 1)])
+def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape, dim):
+    """On the CPU the per-unit pass is skipped when the zero count decides the answer: too few
+    zeros for one unit (0 dead) or all zeros (all dead); every other case takes the pass."""
+    from gradfuse.activations import _known_dead, _one_slice_alive, _unit_activity
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(shape, generator=gen), torch.zeros(shape), torch.randn(shape, generator=gen).relu()]
+    one_dead = torch.randn(shape, generator=gen)
+    one_dead.select(dim, 0).zero_()
+    almost = one_dead.clone()
+    almost[(0,) * len(shape)] = math.nan  # NaN is not zero: the unit is alive
+    cases += [one_dead, almost]
+    last_zero = torch.randn(shape, generator=gen)
+    if len(shape) > 1:
+        last_zero[-1] = 0  # the last example (or position) all zero: zeros, no dead unit
+        cases.append(last_zero)
+    for t in cases:
+        truth = int(_unit_activity(t, dim).eq(0).sum()) if t.dim() else 0
+        known = _known_dead(t, dim, int(t.eq(0).sum()))
+        assert known is None or known == truth
+        assert not _one_slice_alive(t, dim) or truth == 0
+    assert _one_slice_alive(cases[0], dim) and not _one_slice_alive(cases[1], dim)
+    if len(shape) > 1:  # many zeros (a whole last position), no dead unit: the slice decides
+        assert _one_slice_alive(last_zero, dim)
+    assert _known_dead(one_dead, dim, int(one_dead.eq(0).sum())) is None or shape[dim] == 1
+    assert _known_dead(cases[0], dim, 0) == 0 and _known_dead(cases[1], dim, cases[1].numel()) == shape[dim]
 
 
 def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_drops_hooks():
@@ -628,3 +658,34 @@ def test_trace_with_ignore_policy_still_names_the_origin_and_disabled_monitor_dr
     mon.enabled = False
     mon.step()
     assert forward_hooks(model) == 0
+
+
+class Huge(nn.Module):
+    """Finite outputs whose plain sum overflows (fp32: 4 x 3e38; fp16: 4 x 6e4)."""
+
+    def forward(self, x):
+        big = 3e38 if x.dtype == torch.float32 else 6e4
+        return x * 0 + torch.full_like(x, big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_trace_mode_counts_are_exact_when_a_finite_output_sums_to_inf(dtype):
+    """Trace mode on the CPU reads one plain sum per output; a sum that overflows while every
+    element is finite must not be reported as non-finite (the fused op counts it again)."""
+    from gradfuse.activations import ActivationCapture
+    model = nn.Sequential(nn.Identity(), Huge(), nn.Identity()).to(dtype)
+    x = torch.ones(2, 2, dtype=dtype, requires_grad=True)
+    cap = ActivationCapture(model, stats=False, trace_nonfinite=True).arm()
+    model(x).sum().backward()  # the loss overflows: the gradients stay finite (ones)
+    cap.disarm()
+    assert cap.first_nonfinite is None
+    with torch.no_grad():
+        assert torch.isinf(Huge()(x).sum()) and torch.isfinite(Huge()(x)).all()  # the case is real
+    x2 = torch.ones(2, 2, dtype=dtype)
+    x2[0, 1] = math.nan
+    cap = ActivationCapture(model, stats=False, trace_nonfinite=True).arm()
+    model(x2 * 2)  # NaN * 0 stays NaN in Huge: its output holds 1 NaN, the Identity before it too
+    cap.disarm()
+    assert cap.first_nonfinite == ("forward", "0")
+    origin = cap.nonfinite_origin()
+    assert origin["nan"] == 1 and origin["inf"] == 0
