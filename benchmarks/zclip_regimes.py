@@ -97,6 +97,7 @@ class Pair:
                 self.set_grads(base, 1.0 + 0.01 * (k % 5))
                 z.step(model)
         self.source = base
+        self.ours._state_on(self.grads[0].device)  # its device state exists before the first step
         self.saved = (self.ref.mean, self.ref.var, self.ref.initialized, list(self.ref.buffer)) \
             if self.ref is not None else None
         self.saved_ours = (self.ours.steps, self.ours._buffer, self.ours._mean, self.ours._var)
