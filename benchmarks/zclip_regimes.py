@@ -22,7 +22,7 @@ times the same bytes as plain torch foreach passes (``_foreach_norm`` for a read
 ``_foreach_mul_`` for a read and a write) to show how close each is to bandwidth.
 
     python benchmarks/zclip_regimes.py [--workloads gpt2_small,resnet50,tiny] [--dtypes float32]
-                                       [--rounds 9] [--threads 1] [--smoke]
+                                       [--rounds 9] [--threads 1] [--smoke] [--count-ops]
 """
 from __future__ import annotations
 
@@ -179,6 +179,45 @@ def run(workload: str, dtype: torch.dtype, regimes: list[str], rounds: int, smok
     return lines + [""]
 
 
+def count_ops(workload: str, regimes: list[str]) -> list[str]:
+    """Operators one step dispatches (each a kernel launch on CUDA, except views and no-op
+    casts), and host reads (``_local_scalar_dense``: ``.item()``), per implementation: what a
+    GPU estimate starts from. Shapes are cut 64x: the counts depend on the tensor count only."""
+    import collections
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    shapes = [(n, tuple(max(1, d // 64) for d in s)) for n, s in wl.WORKLOADS[workload]()]
+    lines = [f"**{workload}: operators dispatched by one step** ({len(shapes)} tensors)", "",
+             "| regime | zclip ops | zclip host reads | gradfuse ops | gradfuse host reads |",
+             "|---|---:|---:|---:|---:|"]
+    for regime in regimes:
+        pair = Pair(make_model(shapes, torch.float32), regime, 3)
+        counts = {}
+        for name, z in (("zclip", pair.ref), ("gradfuse", pair.ours)):
+            if z is None:
+                continue
+            for _ in range(2):  # plans and caches first
+                pair.reset()
+                z.step(pair.model)
+            pair.reset()
+            with Count() as c:
+                z.step(pair.model)
+            counts[name] = (sum(c.ops.values()), c.ops["aten._local_scalar_dense"])
+        z_ops, z_reads = counts.get("zclip", ("-", "-"))
+        g_ops, g_reads = counts["gradfuse"]
+        lines.append(f"| {regime} | {z_ops} | {z_reads} | {g_ops} | {g_reads} |")
+    return lines + [""]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="gpt2_small,resnet50,tiny")
@@ -187,11 +226,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count the operators (CUDA launches) and host reads of one step instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rounds = 1 if args.smoke else args.rounds
     print(f"gradfuse backend cpu: {gradfuse.backend('cpu')}; torch {torch.__version__}; "
           f"zclip {'present' if zclip is not None else 'missing'}; threads {torch.get_num_threads()}")
+    if args.count_ops:
+        for workload in args.workloads.split(","):
+            print("\n".join(count_ops(workload, args.regimes.split(","))), flush=True)
+        return 0
     for workload in args.workloads.split(","):
         for dt in args.dtypes.split(","):
             print("\n".join(run(workload, getattr(torch, dt), args.regimes.split(","), rounds,
