@@ -9,7 +9,10 @@ ratios from the same run:
 - ``gradfuse.ZClip.step`` vs ``zclip.ZClip.step`` after the warm-up (target: 3x faster).
 
     python benchmarks/clipping_bench.py [--workloads gpt2_small,resnet50] [--dtypes float32,bfloat16]
-                                        [--rounds 7] [--threads 1] [--smoke]
+                                        [--rounds 7] [--threads 1] [--smoke] [--methods a,b]
+
+``--workloads tiny``: 10 000 tensors of 4-16 elements, where the host work per parameter is
+what a call costs.
 
 ``--smoke``: tiny shapes, 1 round (the test suite runs it so the script cannot rot). Each round
 calls every method once per (workload, dtype) in turn; the table gives each method's median
@@ -88,12 +91,15 @@ BASELINES = {"clip_global": None, "clip_per_layer": "clip_global", "clip_per_par
              "gradfuse_agc": "timm_agc", "zclip_step": None, "gradfuse_zclip": "zclip_step"}
 
 
-def run(workload: str, dtype: torch.dtype, rounds: int, smoke: bool) -> list[str]:
+def run(workload: str, dtype: torch.dtype, rounds: int, smoke: bool,
+        only: list[str] | None = None) -> list[str]:
     shapes = wl.WORKLOADS[workload]()
     if smoke:
         shapes = [(n, tuple(max(1, d // 64) for d in s)) for n, s in shapes[:12]]
     model = make_model(shapes, dtype)
     calls = methods(model)
+    if only:
+        calls = {k: v for k, v in calls.items() if k in only}
     times: dict[str, list[float]] = {k: [] for k in calls}
     for name in calls:  # warm-up round (plans, caches), untimed
         calls[name]()
@@ -121,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--methods", default="",
+                    help="comma-separated subset of the methods (default: all), e.g. "
+                         "clip_global,clip_per_layer,clip_per_param")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine a thread pool waits for "
                          "descheduled workers, which swamps what is measured)")
@@ -131,7 +140,8 @@ def main(argv=None) -> int:
           f"threads {torch.get_num_threads()}")
     for workload in args.workloads.split(","):
         for dt in args.dtypes.split(","):
-            print("\n".join(run(workload, getattr(torch, dt), rounds, args.smoke)), flush=True)
+            print("\n".join(run(workload, getattr(torch, dt), rounds, args.smoke,
+                                 [m for m in args.methods.split(",") if m])), flush=True)
     return 0
 
 

@@ -459,6 +459,9 @@ class ZClip:
         if not len(s):
             return s.total_norm
         coef = self.clip_coef(s._total)
+        # From C++ when the watch's fast path served the stats: no per-parameter Python
+        if w.last_path == "fast" and w._scale_by(_scale_dtype(coef, s._total.dtype)):
+            return s.total_norm
         _names, _params, grads = api._with_grads(w.names, w.params)
         scale_total_(grads, coef, s._total.dtype)
         return s.total_norm
@@ -484,9 +487,13 @@ class ZClip:
         self._var = None if state.get("var") is None else state["var"].detach().clone().double()
 
 
+def _scale_dtype(coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return coef.to(dtype if dtype == torch.float64 else torch.float32)
+
+
 def scale_total_(grads: list[torch.Tensor], coef: torch.Tensor, dtype: torch.dtype) -> None:
     """Multiplies every gradient by the 0-d ``coef`` where it is < 1 (decided on the device)."""
-    api._scale_(grads, coef.to(dtype if dtype == torch.float64 else torch.float32))
+    api._scale_(grads, _scale_dtype(coef, dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,22 +550,32 @@ def max_norm_at(schedule: Callable[[int], float], step: int) -> float:
 # Double clipping
 
 class DoubleClipCheck:
-    """Notices gradients changed in place between the backward and the monitor's clip (a
-    ``clip_grad_norm_`` of the user's or of a framework multiplies every gradient, even when it
-    does not clip): post-accumulate-grad hooks on a few sentinel parameters record their
-    gradient's version counter after each accumulation; :meth:`changed` compares it at step time.
-    Costs two hooks per backward, whatever the model's size. Off under torch.distributed with
-    more than one rank (DDP writes the reduced gradients back after the hooks)."""
+    """Notices gradients changed in place between the end of the backward and the monitor's clip
+    (a ``clip_grad_norm_`` of the user's or of a framework multiplies every gradient, even when
+    it does not clip), from the gradients' version counters, on every rank on its own (no
+    collective).
+
+    Post-accumulate-grad hooks on a few sentinel parameters note that a backward accumulated
+    into them and queue an autograd final callback, which queues a second one: callbacks queued
+    by a callback run after every callback queued during the backward, among them DDP's
+    reducer's (``finalize_backward``, which writes the all-reduced gradients back: a
+    ``copy_`` or an in-place division of the bucket view, each a version bump). The second
+    callback records each sentinel gradient's version counter once the backward, DDP's
+    synchronisation included, is over; :meth:`changed` compares it at step time. Costs two hooks
+    and four callbacks per backward, whatever the model's size."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str]):
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, torch.Tensor]] = {}
+        self._touched: set[int] = set()
         self._handles = []
         self.names = {}
+        self._params: dict[int, torch.Tensor] = {}
         trainable = [(n, p) for n, p in zip(names, params)
                      if isinstance(p, torch.Tensor) and p.requires_grad and p.is_leaf]
         for name, p in {id(p): (n, p) for n, p in (trainable[:1] + trainable[-1:])}.values():
             key = id(p)
             self.names[key] = name
+            self._params[key] = p
             try:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._recorder(key)))
             except RuntimeError:
@@ -566,17 +583,33 @@ class DoubleClipCheck:
 
     def _recorder(self, key: int):
         def hook(p):
-            if p.grad is not None:
-                self._seen[key] = (p.grad._version, p.grad)
+            self._touched.add(key)
+            try:  # once per sentinel and backward (a backward that fails runs no callback)
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            except RuntimeError:  # not inside an engine's backward: record now
+                self._record()
         return hook
+
+    def _after_backward(self) -> None:
+        # Runs with the final callbacks queued during the backward; queue the recording behind
+        # them (DDP's finalize_backward among them).
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._record)
+        except RuntimeError:
+            self._record()
+
+    def _record(self) -> None:
+        touched, self._touched = self._touched, set()
+        for key in touched:
+            g = self._params[key].grad
+            if g is not None:
+                self._seen[key] = (g._version, g)
 
     def changed(self, allowed: int = 0) -> str | None:
         """The name of a sentinel whose gradient was changed in place more than ``allowed`` times
-        since its last accumulation, else None; then forgets what it recorded."""
+        since the end of the backward that last accumulated into it, else None; then forgets
+        what it recorded."""
         seen, self._seen = self._seen, {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            return None
         for key, (version, grad) in seen.items():
             if grad._version > version + allowed:
                 return self.names[key]
@@ -611,7 +644,7 @@ def monitor_clip_(s: GradStats, names_params, mode: dict, max_norm_now) -> GradS
         scale_total_(grads, coef, s._total.dtype)
         return s._replace(clip_coef=coef, max_norm=None)
     if mode.get("per"):
-        if [n for n in s.names] != list(_names):
+        if list(s.names) != list(_names):
             # rows follow the grouping; re-order the gradients to match them
             by_name = dict(zip(_names, grads))
             grads = [by_name[n] for n in s.names]
@@ -640,7 +673,7 @@ def clip_modes_(source, max_norm, norm_type: float = 2.0, error_if_nonfinite: bo
     s = api._fused_stats(names, grads, p, group)
     if grads and error_if_nonfinite:
         api._raise_if_nonfinite(s)
-    if list(s.names) != names:  # rows follow the (device, dtype) grouping
+    if s.names is not names and list(s.names) != names:  # rows follow the (device, dtype) grouping
         by_name = dict(zip(names, grads))
         grads = [by_name[n] for n in s.names]
     return clip_per_(s, grads, max_norm, per, layer_depth)

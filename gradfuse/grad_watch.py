@@ -134,6 +134,18 @@ class GradWatch:
             api._raise_nonfinite(s)
         return self._clip_to(s, max_norm)
 
+    @torch.no_grad()
+    def _scale_by(self, coef: torch.Tensor) -> bool:
+        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for
+        gradfuse.ZClip), without per-parameter Python; False, nothing touched, when the fast path
+        cannot (the caller then scales through gradfuse.api)."""
+        if not self._fast_ready():
+            return False
+        try:
+            return bool(self._fast.scale_by(coef))
+        except (AttributeError, RuntimeError):  # a gradfuse._C built before scale_by
+            return False
+
     def _fast_ready(self) -> bool:
         if self._module is not None and self._resolved_at != _registrations:
             self.refresh()

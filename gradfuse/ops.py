@@ -79,6 +79,10 @@ def multi_tensor_scale_per_tensor_(tensors: list[torch.Tensor], coefs: torch.Ten
     """Multiplies tensor i in place by ``coefs[i]`` (1-D, ``len(tensors)`` entries, on their
     device). ``conditional``: a tensor whose coefficient is >= 1 is not read nor written (decided
     on the device); a NaN coefficient scales, as the scalar op does."""
+    if tensors and _compiled("multi_tensor_unit_scale_", tensors[0].device):
+        # units of 1 are ints already: no per-tensor int() (10 000 parameters: ~0.5 ms)
+        torch.ops.gradfuse.multi_tensor_unit_scale_(tensors, [1] * len(tensors), coefs, conditional)
+        return
     multi_tensor_unit_scale_(tensors, [1] * len(tensors), coefs, conditional)
 
 

@@ -117,6 +117,34 @@ def test_no_host_sync_per_step(monkeypatch, mode):
     assert any(c < 1 for c in coefs) and any(c == 1 for c in coefs)
 
 
+def test_step_scales_without_per_parameter_python(monkeypatch):
+    """After the first step plans gradfuse.watch's fast path, ZClip.step reads and scales the
+    gradients from C++: no Python pass over the parameters (api._with_grads), same gradients
+    as the zclip package, and clipping really happens."""
+    from gradfuse import api
+    ours = gradfuse.ZClip(warmup_steps=5, alpha=0.9, max_grad_norm=3.0)
+    ref = zclip.ZClip(warmup_steps=5, alpha=0.9, max_grad_norm=3.0)
+    m, m_ref = _model(), _model()
+    _set_grads([m, m_ref], 0)
+    ours.step(m)
+    ref.step(m_ref)
+    calls = []
+    real = api._with_grads
+    monkeypatch.setattr(api, "_with_grads", lambda *a: calls.append(1) or real(*a))
+    clipped = 0
+    for k in range(1, len(NORMS)):
+        _set_grads([m, m_ref], k)
+        before = [p.grad.clone() for p in m.parameters()]
+        ours.step(m)
+        ref.step(m_ref)
+        assert ours._watch[1].last_path == "fast"
+        for p, q in zip(m.parameters(), m_ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        clipped += not all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+    assert calls == []
+    assert clipped >= 3
+
+
 def test_monitor_with_zclip_state_dict_and_no_sync(monkeypatch):
     m = _model()
     mon = gradfuse.GradMonitor(m, max_norm=gradfuse.ZClip(warmup_steps=5, alpha=0.9), every=0,
