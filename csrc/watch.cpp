@@ -155,15 +155,7 @@ class ParamWatch : public torch::CustomClassHolder {
   // Scales this step's gradients in place by `coef` (0-d; the scale runs only where it is < 1,
   // as api._scale_): gradfuse.ZClip's coefficient, computed on the device. False (nothing
   // touched) on a mismatch.
-  bool scale_by(const at::Tensor& coef) {
-    std::vector<std::vector<at::Tensor>> grads;
-    if (!read_grads(grads)) return false;
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (const auto& g : grads) {
-      scale_op().call(g, coef.to(g[0].device()), /*conditional=*/true);
-    }
-    return true;
-  }
+  bool scale_by(const at::Tensor& coef) { return scale(coef); }
 
  private:
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
