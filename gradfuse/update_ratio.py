@@ -35,7 +35,9 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 def unavailable_reason(optimizer) -> str | None:
     """None when the update of ``optimizer`` can be computed, else why not."""
     kind = type(optimizer)
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
+    # AdamW is listed on its own: before torch 2.7 it is not a subclass of Adam (torch 2.6's
+    # adamw.py is its own class, with the same update as Adam's plus decoupled weight decay).
+    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
         return (f"update ratios are not available for {kind.__name__}: gradfuse computes the update from "
                 f"the optimizer's state for {', '.join(SUPPORTED)} only")
     for group in optimizer.param_groups:

@@ -5,6 +5,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import dist_workers
 import fsdp2_clip_workers
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -16,6 +17,8 @@ RUNS = {2: ["torch_1d", "hsdp", "monitor"], 4: ["hsdp"]}
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def results(request, tmp_path_factory):
+    if not dist_workers.FSDP2_ON_CPU:  # every check here runs FSDP2 on CPU
+        pytest.skip(dist_workers.FSDP2_SKIP_REASON)
     world = request.param
     d = tmp_path_factory.mktemp(f"fsdp2clip{world}")
     mp.spawn(fsdp2_clip_workers.worker, args=(world, str(d / "init"), RUNS[world], str(d)),
