@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cuda_emu
+from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
 from gradfuse import _ext
 from helpers import assert_stats_close
 
@@ -23,24 +24,10 @@ pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C (the CPU ba
 CHUNK = 65536
 SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
 NORM_TYPES = [2.0, 1.0, 3.0, 0.5, math.inf, 0.0, -1.5]
-SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
 cpu_stats = torch.ops.gradfuse.multi_tensor_stats
 cpu_scale = torch.ops.gradfuse.multi_tensor_scale_
 
 
-@pytest.fixture(scope="module")
-def emu():
-    return cuda_emu.load()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The emulator runs on one thread, and the many small reductions of the comparisons only lose
-    # to OpenMP wake-ups (seconds per test on a busy machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def randn(n, dtype, seed=0, nonzero=False):
@@ -243,12 +230,4 @@ def test_emulator_reports_divergence_deadlock_and_bad_launches(emu, name, messag
 def test_grid_under_sanitizers():
     """This file again, with the emulated backend built with -fsanitize=address,undefined:
     out-of-bounds and misaligned accesses, and undefined behaviour, abort the run."""
-    if cuda_emu.sanitizer_runtime() is None:
-        pytest.skip("the C++ compiler has no libasan")
-    # Uncaptured and unbuffered: a sanitizer aborts the process, losing what pytest holds.
-    env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-s", "-p", "no:randomly",
-                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
-                          timeout=1200, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert " passed" in proc.stdout
+    rerun_under_sanitizers(__file__, timeout=1200)

@@ -6,14 +6,12 @@ statistics before clamping and the clamped counts). test_clip_grid_under_sanitiz
 again, built with ASan+UBSan.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import cuda_emu
+from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
 from gradfuse import _ext, reference
 from clip_helpers import assert_unit_stats_close
 from helpers import assert_stats_close
@@ -23,20 +21,8 @@ pytestmark = pytest.mark.skipif(_ext._C is None or not hasattr(torch.ops.gradfus
 
 CHUNK = 65536
 SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
-SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
 
 
-@pytest.fixture(scope="module")
-def emu():
-    return cuda_emu.load()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def randn(shape, dtype, seed=0):
@@ -204,11 +190,4 @@ def test_clamp_grid(emu, dtype, clip_value):
 @pytest.mark.skipif(SANITIZED, reason="this is the sanitized run")
 def test_clip_grid_under_sanitizers():
     """This file again with the emulated backend built with -fsanitize=address,undefined."""
-    if cuda_emu.sanitizer_runtime() is None:
-        pytest.skip("the C++ compiler has no libasan")
-    env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-s", "-p", "no:randomly",
-                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
-                          timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert " passed" in proc.stdout
+    rerun_under_sanitizers(__file__, timeout=1800)

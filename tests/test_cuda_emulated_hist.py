@@ -7,33 +7,19 @@ all-same-exponent input (every lane of every warp adding to one bin).
 test_grid_under_sanitizers runs this file a second time, built with ASan+UBSan.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import cuda_emu
+from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
 from gradfuse import _ext
 from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, random_bits
 
 pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C (the CPU backend compared with) not built")
-SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
 cpu_hist = torch.ops.gradfuse.multi_tensor_exponent_histogram
 
 
-@pytest.fixture(scope="module")
-def emu():
-    return cuda_emu.load()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def check(emu, tensors):
@@ -96,11 +82,4 @@ def test_many_tensors_over_launch_tables(emu, dtype):
 @pytest.mark.skipif(SANITIZED, reason="this is the sanitized run")
 def test_grid_under_sanitizers():
     """This file again, with the emulated backend built with -fsanitize=address,undefined."""
-    if cuda_emu.sanitizer_runtime() is None:
-        pytest.skip("the C++ compiler has no libasan")
-    env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-s", "-p", "no:randomly",
-                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
-                          timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert " passed" in proc.stdout
+    rerun_under_sanitizers(__file__, timeout=1800)

@@ -1,0 +1,41 @@
+"""What the three emulated-CUDA test files share: the emulated backend, one torch thread while
+they run, and the rerun of a file under ASan/UBSan. Import the fixtures by name into a test file."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cuda_emu
+
+SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return cuda_emu.load()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The emulator runs on one thread, and the many small reductions of the comparisons only lose
+    # to OpenMP wake-ups (seconds per test on a busy machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rerun_under_sanitizers(test_file: str, timeout: int = 1800) -> None:
+    """Runs test_file again with the emulated backend built with -fsanitize=address,undefined:
+    out-of-bounds and misaligned accesses, and undefined behaviour, abort the run."""
+    if cuda_emu.sanitizer_runtime() is None:
+        pytest.skip("the C++ compiler has no libasan")
+    # Uncaptured and unbuffered: a sanitizer aborts the process, losing what pytest holds.
+    env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-s", "-p", "no:randomly",
+                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(test_file))))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert " passed" in proc.stdout
