@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-import cuda_emu
 from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
 from gradfuse import _ext
 from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, random_bits
