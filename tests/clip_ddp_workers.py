@@ -1,7 +1,6 @@
 """Code run in each process of tests/test_clip_ddp.py: the double-clip check of GradMonitor and
 gradfuse.attach under DDP (gloo, CPU), one check per (gradient_as_bucket_view, entry point)."""
 import re
-import traceback
 import warnings
 
 import torch
@@ -9,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradfuse
+from gloo_checks import run_checks
 
 
 def _model(seed=0):
@@ -101,19 +101,5 @@ CHECKS = {
 
 
 def worker(rank, world, init_file, result_dir):
-    import datetime
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        for name, check in CHECKS.items():
-            try:
-                check(rank, world)
-                status = "ok"
-            except Exception:
-                status = traceback.format_exc()
-            with open(f"{result_dir}/{name}.{rank}", "w") as f:
-                f.write(status)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_checks(rank, world, init_file, result_dir, CHECKS.items())

@@ -2,13 +2,13 @@
 import contextlib
 import copy
 import math
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import gradfuse
+from gloo_checks import run_checks
 
 
 def full(t):
@@ -331,19 +331,4 @@ CHECKS = {"dtensor": check_dtensor, "group": check_group, "fsdp2": check_fsdp2,
 
 
 def worker(rank, world, init_file, checks, result_dir):
-    import datetime
-    # A check failing on one rank leaves the others in a collective: time out, do not hang.
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        for name in checks:
-            try:
-                CHECKS[name](rank, world)
-                status = "ok"
-            except Exception:
-                status = traceback.format_exc()
-            with open(f"{result_dir}/{name}.{rank}", "w") as f:
-                f.write(status)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_checks(rank, world, init_file, result_dir, [(name, CHECKS[name]) for name in checks])

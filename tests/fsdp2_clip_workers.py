@@ -12,13 +12,13 @@ count is the one torch's own clip_grad_norm_ issues on the same gradients.
 """
 import copy
 import functools
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import gradfuse
+from gloo_checks import run_checks
 
 
 def _assert_equal(a, b):
@@ -181,18 +181,4 @@ CHECKS = {"torch_1d": check_torch_fsdp2_clip_1d, "hsdp": check_hsdp_clip,
 
 
 def worker(rank, world, init_file, checks, result_dir):
-    import datetime
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        for name in checks:
-            try:
-                CHECKS[name](rank, world)
-                status = "ok"
-            except Exception:
-                status = traceback.format_exc()
-            with open(f"{result_dir}/{name}.{rank}", "w") as f:
-                f.write(status)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_checks(rank, world, init_file, result_dir, [(name, CHECKS[name]) for name in checks], timeout_s=120)

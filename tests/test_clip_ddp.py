@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import clip_ddp_workers
+from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -19,6 +20,4 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(clip_ddp_workers.CHECKS))
 def test_double_clip_under_ddp_two_ranks(results, name):
-    for rank in range(2):
-        status = (results / f"{name}.{rank}").read_text()
-        assert status == "ok", f"rank {rank}:\n{status}"
+    assert_ranks_ok(results, name, 2)

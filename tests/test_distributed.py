@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_workers
+from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -28,9 +29,7 @@ def _check(results, name):
     world, d = results
     if name in dist_workers.NEEDS_FSDP2 and not dist_workers.FSDP2_ON_CPU:
         pytest.skip(dist_workers.FSDP2_SKIP_REASON)
-    for rank in range(world):
-        status = (d / f"{name}.{rank}").read_text()
-        assert status == "ok", f"rank {rank} of {world}:\n{status}"
+    assert_ranks_ok(d, name, world)
 
 
 def test_dtensor_sharded_dim0_dim1_uneven_empty_and_nan_on_one_rank(results):

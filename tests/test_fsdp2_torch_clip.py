@@ -7,6 +7,7 @@ import torch.multiprocessing as mp
 
 import dist_workers
 import fsdp2_clip_workers
+from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -30,9 +31,7 @@ def _check(results, name):
     world, d = results
     if name not in RUNS[world]:
         pytest.skip(f"not run on {world} ranks")
-    for rank in range(world):
-        status = (d / f"{name}.{rank}").read_text()
-        assert status == "ok", f"rank {rank} of {world}:\n{status}"
+    assert_ranks_ok(d, name, world)
 
 
 def test_torch_fsdp2_clip_grad_norm_1d_unchanged_on_gradfuse(results):
