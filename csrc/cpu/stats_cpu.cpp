@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -84,6 +85,8 @@ StatsInputs read_stats_inputs(at::TensorList tensors, const char* op) {
 // threads (and waiting for all of them at the end, which on a busy machine can mean waiting for
 // a descheduled one) costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 1 << 20;
+// Bytes per block of chunks that a thread takes at a time (stats_of_inputs).
+constexpr int64_t kBlockBytes = 4 << 20;
 
 // Combines the chunk partials of tensor t, in chunk order, in double (as the kernels combine the
 // chunks of a tensor that lies in one range).
@@ -119,21 +122,28 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
     kern.stats_tensors(args, mode, norm_type, 0, num_chunks, nullptr, nullptr, of, oc);
     return {out_f, out_c};
   }
-  // One parallel region: each range writes the rows of the tensors that lie in it, and the
-  // chunk partials of the (at most two) tensors that cross its ends; those are combined here.
+  // One parallel region: the chunks are cut into blocks of about kBlockBytes, which the threads
+  // take in turn from a shared counter (not one fixed range per thread: on a shared machine a
+  // descheduled thread would hold the whole call up while the other idles). Each block writes
+  // the rows of the tensors that lie in it, and the chunk partials of the (at most two) tensors
+  // that cross its ends; those are combined here. The blocks do not depend on the thread count,
+  // nor the results on the order the blocks are taken.
   auto part_f = at::empty({num_chunks, kNumFloatStats}, at::TensorOptions().dtype(partial_dtype(dtype)));
   auto part_c = at::empty({num_chunks, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   void* fp = part_f.data_ptr();
   int64_t* cp = part_c.data_ptr<int64_t>();
-  std::mutex ends_mutex;
-  std::vector<int64_t> range_ends;
-  at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
-    kern.stats_tensors(args, mode, norm_type, begin, end, fp, cp, of, oc);
-    if (end < num_chunks) {
-      std::lock_guard<std::mutex> lock(ends_mutex);
-      range_ends.push_back(end);
+  const int64_t block = std::max<int64_t>(
+      1, (num_chunks * kBlockBytes + in.bytes - 1) / std::max<int64_t>(in.bytes, 1));
+  const int64_t num_blocks = (num_chunks + block - 1) / block;
+  std::atomic<int64_t> next_block{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next_block.fetch_add(1); b < num_blocks; b = next_block.fetch_add(1)) {
+      kern.stats_tensors(args, mode, norm_type, b * block, std::min(num_chunks, (b + 1) * block), fp, cp, of, oc);
     }
   });
+  std::vector<int64_t> range_ends;
+  for (int64_t b = 1; b < num_blocks; ++b) range_ends.push_back(b * block);
   std::sort(range_ends.begin(), range_ends.end());
   int64_t last = -1;
   for (const int64_t e : range_ends) {
