@@ -25,6 +25,7 @@ import random
 import statistics
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -175,9 +176,11 @@ class ReadFloor:
         return self
 
     def _read(self, t, side):
-        key = (id(t), t._version)
-        if self.last[side] != key:
-            self.last[side] = key
+        # the very object (a weak reference, as gradfuse's memo: an id can be handed on to a
+        # new gradient once the previous one is freed) at the same version
+        last = self.last[side]
+        if last is None or last[0]() is not t or last[1] != t._version:
+            self.last[side] = (weakref.ref(t), t._version)
             t.detach().sum()
             self.bytes += t.numel() * t.element_size()
             self.tensors += 1

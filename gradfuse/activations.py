@@ -164,6 +164,33 @@ def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
     return int(torch.count_nonzero(v)) == v.numel()
 
 
+_PROBE_PER_UNIT = 64  # elements per unit the probe reads at most (see _probe_alive)
+
+
+def _probe_alive(t: torch.Tensor, dim: int) -> bool:
+    """True when a small corner of the tensor already holds a non-zero in every unit: then no
+    unit is dead (a dead unit is zero everywhere, also there). Exact; CPU only (reads the
+    result). With ``rows`` the entries of the dimensions before ``dim`` (examples, positions)
+    and ``inner`` those after it (pixels), the corner is the first ``k`` rows and ``m`` inner
+    entries, ``k * m`` up to ``_PROBE_PER_UNIT`` elements per unit, at most a quarter of the
+    rows: 64 pixels of one image for a conv output, 16 positions of a transformer's hidden
+    state. The full per-unit pass runs only when a unit is still all zero there. A ReLU output
+    (half its elements zero) or a dropout output (a tenth) defeats the zero count and the
+    one-slice test but not this."""
+    if dim == 0 or t.dim() < 2 or not t.is_contiguous():
+        return False
+    units = t.shape[dim]
+    rows = math.prod(t.shape[:dim])
+    inner = math.prod(t.shape[dim + 1:])
+    if rows < 4 or units == 0 or inner == 0:
+        return False
+    m = min(inner, _PROBE_PER_UNIT)
+    k = min(-(-_PROBE_PER_UNIT // m), rows // 4)
+    corner = t.view(rows, units, inner)[:k, :, :m]
+    activity = corner.abs().sum(dim=(0, 2))
+    return int(torch.count_nonzero(activity)) == units
+
+
 class ActivationStats(GradStats):
     """:class:`GradStats` of module outputs (or of the gradients with respect to them): every
     column GradStats has (``l2``, ``linf``, ``mean``, NaN / Inf / zero counts, ``zero_fraction``),
@@ -459,7 +486,7 @@ class ActivationCapture:
         dead = []
         for t, d, row in zip(tensors, dims, counts.tolist()):
             known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
-            if known is None and t.is_cpu and _one_slice_alive(t, d):
+            if known is None and t.is_cpu and (_one_slice_alive(t, d) or _probe_alive(t, d)):
                 known = 0
             dead.append(_unit_activity(t, d) if known is None else known)
         return floats, counts, dead
