@@ -257,6 +257,14 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
         finally:
             acts._unit_activity = real
 
+    def capture_no_probe():  # before/after: the capture as of session 4 (no corner probe)
+        real = acts._probe_alive
+        acts._probe_alive = lambda t, dim: None
+        try:
+            capture()
+        finally:
+            acts._probe_alive = real
+
     def hooks_only():  # decomposition: the capture's hooks and bookkeeping, reading no tensor
         cap = acts.ActivationCapture(model, stats=False)
         zeros = torch.zeros((1, 4), dtype=torch.int64)
@@ -291,7 +299,8 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
             with torch.autograd.detect_anomaly():
                 loss_fn().backward()
 
-    variants = {"plain": plain, "capture": capture, "capture_no_dead_units": capture_no_dead_units,
+    variants = {"plain": plain, "capture": capture, "capture_no_probe": capture_no_probe,
+                "capture_no_dead_units": capture_no_dead_units,
                 "hooks_only": hooks_only, "hook_loop": hook_loop, "read_floor": read_floor,
                 "monitor": monitored(mon_plain, "monitor"),
                 "monitor_activations_unsampled": monitored(mon_act, "monitor_activations_unsampled"),
@@ -336,10 +345,11 @@ def report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read) -> s
     return partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_seen)
 
 
-BASELINE = {"capture": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
+BASELINE = {"capture": "plain", "capture_no_probe": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
             "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
             "monitor_activations_unsampled": "monitor", "monitor_trace": "monitor"}
 TITLES = {"plain": "plain forward+backward", "capture": "(a) capture_activations, every module",
+          "capture_no_probe": "  capture without the corner probe (session 4's code; before)",
           "capture_no_dead_units": "  capture without its dead-unit passes (decomposition)",
           "hooks_only": "  capture's hooks and bookkeeping only, no tensor read (decomposition)",
           "hook_loop": "(b) hook loop with .item()",

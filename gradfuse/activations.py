@@ -39,8 +39,10 @@ Cost and memory
     last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
     reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
     version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
-    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`) or when one
-    slice across all units holds no zero (:func:`_one_slice_alive`), both exact, and
+    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`), when a
+    small corner of the batch (the first image's first 64 pixels, the first 16 positions) holds a
+    non-zero in every unit (:func:`_probe_alive`), or, where that probe does not apply, when one
+    slice across all units holds no zero (:func:`_one_slice_alive`), all exact, and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
 
@@ -164,27 +166,29 @@ def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
     return int(torch.count_nonzero(v)) == v.numel()
 
 
-_PROBE_PER_UNIT = 64  # elements per unit the probe reads at most (see _probe_alive)
+_PROBE_INNER = 64  # entries after the unit dimension (pixels) the probe reads per row at most
+_PROBE_PER_UNIT = 16  # elements per unit the probe reads at least
 
 
-def _probe_alive(t: torch.Tensor, dim: int) -> bool:
+def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
     """True when a small corner of the tensor already holds a non-zero in every unit: then no
     unit is dead (a dead unit is zero everywhere, also there). Exact; CPU only (reads the
     result). With ``rows`` the entries of the dimensions before ``dim`` (examples, positions)
-    and ``inner`` those after it (pixels), the corner is the first ``k`` rows and ``m`` inner
-    entries, ``k * m`` up to ``_PROBE_PER_UNIT`` elements per unit, at most a quarter of the
-    rows: 64 pixels of one image for a conv output, 16 positions of a transformer's hidden
-    state. The full per-unit pass runs only when a unit is still all zero there. A ReLU output
-    (half its elements zero) or a dropout output (a tenth) defeats the zero count and the
-    one-slice test but not this."""
+    and ``inner`` those after it (pixels), the corner is the first ``m <= 64`` inner entries of
+    the first ``k`` rows, at least 16 elements per unit, at most a quarter of the rows: 64
+    pixels of the first image for a conv output, 16 positions of a transformer's hidden state.
+    The full per-unit pass runs only when a unit is still all zero there. A ReLU output (half
+    its elements zero) or a dropout output (a tenth) defeats the zero count and the one-slice
+    test but not this. None when the probe does not apply (unit dimension first, too few rows,
+    not contiguous): the caller tries the one-slice test instead (the corner holds that slice)."""
     if dim == 0 or t.dim() < 2 or not t.is_contiguous():
-        return False
+        return None
     units = t.shape[dim]
     rows = math.prod(t.shape[:dim])
     inner = math.prod(t.shape[dim + 1:])
     if rows < 4 or units == 0 or inner == 0:
-        return False
-    m = min(inner, _PROBE_PER_UNIT)
+        return None
+    m = min(inner, _PROBE_INNER)
     k = min(-(-_PROBE_PER_UNIT // m), rows // 4)
     corner = t.view(rows, units, inner)[:k, :, :m]
     activity = corner.abs().sum(dim=(0, 2))
@@ -486,8 +490,12 @@ class ActivationCapture:
         dead = []
         for t, d, row in zip(tensors, dims, counts.tolist()):
             known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
-            if known is None and t.is_cpu and (_one_slice_alive(t, d) or _probe_alive(t, d)):
-                known = 0
+            if known is None and t.is_cpu:
+                alive = _probe_alive(t, d)
+                if alive is None:
+                    alive = _one_slice_alive(t, d)
+                if alive:
+                    known = 0
             dead.append(_unit_activity(t, d) if known is None else known)
         return floats, counts, dead
 
