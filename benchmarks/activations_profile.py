@@ -123,7 +123,13 @@ def hooked_step(model, loss_fn, timed: Timed, stats: bool):
     return total - floor
 
 
-def profile(label, model, loss_fn, rounds):
+VARIANTS = {"capture": ("capture_activations (statistics)", True, False),
+            "capture_no_probe": ("capture_activations without the corner probe (session 4's code; before)",
+                                 True, True),
+            "trace": ("trace-only capture (trace_nonfinite)", False, False)}
+
+
+def profile(label, model, loss_fn, rounds, variants=("capture", "capture_no_probe", "trace")):
     params = list(model.parameters())
 
     def zero():
@@ -135,31 +141,42 @@ def profile(label, model, loss_fn, rounds):
         loss_fn().backward()
         return time.process_time() - t0
 
-    out = [f"**{label}**, {rounds} rounds (medians per step; parts: thread CPU time summed over the step)", ""]
-    for stats in (True, False):
-        timed = Timed()
+    def hooked(key, timed):
+        _title, stats, no_probe = VARIANTS[key]
+        real = acts._probe_alive
+        if no_probe:
+            acts._probe_alive = lambda t, dim: None
         timed.wrap("_unit_activity", lambda t, d: "dead units: per-unit passes")
         timed.wrap("_probe_alive", lambda t, d: "dead units: corner probes")
         timed.wrap("_one_slice_alive", lambda t, d: "dead units: one-slice tests")
-        per_round, plains, caps = [], [], []
         try:
-            for _ in range(2):
-                plain(), zero(), hooked_step(model, loss_fn, Timed(), stats), zero()
-            for _ in range(rounds):
-                timed.t.clear(), timed.n.clear(), timed.floor.clear()
-                p = plain()
-                zero()
-                c = hooked_step(model, loss_fn, timed, stats)
-                zero()
-                plains.append(p)
-                caps.append(c)
-                per_round.append((dict(timed.t), dict(timed.n), dict(timed.floor)))
+            return hooked_step(model, loss_fn, timed, stats)
         finally:
             timed.restore()
+            acts._probe_alive = real
+
+    for _ in range(2):
+        plain(), zero()
+        for key in variants:
+            hooked(key, Timed()), zero()
+    results = {k: ([], [], []) for k in variants}  # plain, hooked, parts per round
+    for _ in range(rounds):
+        for key in variants:  # each variant right after its own plain step
+            timed = Timed()
+            p = plain()
+            zero()
+            c = hooked(key, timed)
+            zero()
+            results[key][0].append(p)
+            results[key][1].append(c)
+            results[key][2].append((dict(timed.t), dict(timed.n), dict(timed.floor)))
+    out = [f"**{label}**, {rounds} rounds (medians per step; each variant right after a plain step; "
+           "parts: thread CPU time summed over the step)", ""]
+    for key in variants:
+        plains, caps, per_round = results[key]
         mp = statistics.median(plains)
-        name = "capture_activations (statistics)" if stats else "trace-only capture (trace_nonfinite)"
         ratio = statistics.median(c / p for c, p in zip(caps, plains))
-        out += [f"{name}: plain step {1e3 * mp:.1f} ms, with hooks {1e3 * statistics.median(caps):.1f} ms, "
+        out += [f"{VARIANTS[key][0]}: plain step {1e3 * mp:.1f} ms, with hooks {1e3 * statistics.median(caps):.1f} ms, "
                 f"{ratio:.3f}x (median of per-round ratios)", "",
                 "| part | calls/step | ms/step | % of the plain step | rate | t.sum() on the same tensors |",
                 "|---|---:|---:|---:|---:|---:|"]
