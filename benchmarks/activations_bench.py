@@ -11,7 +11,9 @@
     side with ``torch.autograd.detect_anomaly`` on the same step.
 
 Every variant runs once per round, in a shuffled order, for ``--rounds`` rounds in one process;
-the table gives medians and the median of the per-round ratios to the baseline of the round. Time
+the table gives medians and the median of the per-round ratios to the baseline of the round
+(``--adjacent``: each variant runs right after a baseline step of its own, and the ratio is to
+that step). Time
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
@@ -224,7 +226,8 @@ def count_capture_bytes(model, loss_fn) -> dict:
 
 
 # -- timing ---------------------------------------------------------------------------------------
-def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> tuple[str, dict]:
+def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
+              adjacent: bool = False) -> tuple[str, dict]:
     params = list(model.parameters())
 
     def zero():
@@ -327,17 +330,36 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
     times = {k: [] for k in variants}
     walls = {k: [] for k in variants}
     rng = random.Random(seed)
+
+    def timed(k):
+        w, t = time.perf_counter(), time.process_time()
+        variants[k]()
+        cpu, wall = time.process_time() - t, time.perf_counter() - w
+        mon_trace._act_hooks.take()
+        zero()
+        return cpu, wall
+
+    adjacent_base: dict = {}  # adjacent: variant -> its baseline's times, each run right before it
     for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
+        if adjacent:  # each variant right after its own baseline step: load changes over a
+            order = [k for k in order if k in BASELINE]  # round cancel out of the ratio
+            for k in order:
+                cpu, wall = timed(BASELINE[k])
+                times[BASELINE[k]].append(cpu)
+                walls[BASELINE[k]].append(wall)
+                adjacent_base.setdefault(k, []).append(cpu)
+                cpu, wall = timed(k)
+                times[k].append(cpu)
+                walls[k].append(wall)
+            continue
         for k in order:
-            w, t = time.perf_counter(), time.process_time()
-            variants[k]()
-            times[k].append(time.process_time() - t)
-            walls[k].append(time.perf_counter() - w)
-            mon_trace._act_hooks.take()
-            zero()
+            cpu, wall = timed(k)
+            times[k].append(cpu)
+            walls[k].append(wall)
     mon_trace.close()
+    times["_adjacent"] = adjacent_base
     return report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read), times
 
 
@@ -368,13 +390,16 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
     med = {k: statistics.median(v) for k, v in times.items()}
     wall = {k: statistics.median(v) for k, v in walls.items()}
 
+    adjacent = times.pop("_adjacent", None) or {}
+
     def ratio(k, base):
-        return statistics.median(a / b for a, b in zip(times[k], times[base]))
+        return statistics.median(a / b for a, b in zip(times[k], adjacent.get(k, times[base])))
 
     lines = [f"**{label}**: {len(cap.forward)} forward rows and {len(cap.backward)} backward rows per step, "
              f"{loop.bytes / 1e6:.1f} MB of outputs and output gradients as the hooks see them, "
              f"{floor.bytes / 1e6:.1f} MB distinct values; {rounds} rounds", "",
-             "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of per-round ratios) |",
+             "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of "
+             + ("ratios to the baseline step run right before it) |" if adjacent else "per-round ratios) |"),
              "|---|---:|---:|---:|"]
     for k in TITLES:
         if k in times:
@@ -393,7 +418,7 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
         lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read once); "
                      f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats {read['stats'] / 1e6:.0f} MB "
                      f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB (abs read+write, sum read; "
-                     f"the other rows' dead units are decided by their zero count); the hook loop ~"
+                     f"the other rows' dead units are decided by their zero count, the corner probe or the one-slice test); the hook loop ~"
                      f"{9.75 * loop.bytes / 1e6:.0f} MB (9.75 N) and {ITEMS_PER_TENSOR * loop.tensors} `.item()` calls")
     if "monitor_activations_unsampled" in times:
         lines.append(f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')}")
@@ -407,6 +432,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--adjacent", action="store_true",
+                        help="run each variant right after its own baseline step and take the ratio "
+                             "to that step (on a loaded machine, steadier than one baseline per round)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, for the test suite")
     parser.add_argument("--variants", default="",
                         help="comma list of variants to time (their baselines are added): capture, "
@@ -424,7 +452,7 @@ def main(argv=None) -> int:
         unknown = set(only) - set(BASELINE)
         if unknown:
             parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(BASELINE)}")
-        text, _ = run_model(label, model, loss_fn, args.rounds, only=only)
+        text, _ = run_model(label, model, loss_fn, args.rounds, only=only, adjacent=args.adjacent)
         print(text + "\n", flush=True)
     return 0
 
