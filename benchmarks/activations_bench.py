@@ -387,10 +387,9 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
     value, 3 N per dead-unit pass taken); the hook loop's per activation/gradient byte N (fp32:
     a bool is N/4): mean N, std N, norm N, isnan N + N/4 + any N/4, ==0 N + N/4, .float() N/4 + N,
     mean N, ne(0) N + N/4, any N/4 = 9.75 N."""
+    adjacent = times.pop("_adjacent", None) or {}
     med = {k: statistics.median(v) for k, v in times.items()}
     wall = {k: statistics.median(v) for k, v in walls.items()}
-
-    adjacent = times.pop("_adjacent", None) or {}
 
     def ratio(k, base):
         return statistics.median(a / b for a, b in zip(times[k], adjacent.get(k, times[base])))
