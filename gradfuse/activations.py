@@ -41,8 +41,9 @@ Cost and memory
     version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
     the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`), when a
     small corner of the batch (the first image's first 64 pixels, the first 16 positions) holds a
-    non-zero in every unit (:func:`_probe_alive`), or, where that probe does not apply, when one
-    slice across all units holds no zero (:func:`_one_slice_alive`), all exact, and
+    non-zero in every unit (:func:`_probe_alive`), or when one slice across all units holds no
+    zero (:func:`_one_slice_alive`; tried first when under 5% of the elements are zero), all
+    exact, and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
 
@@ -166,6 +167,7 @@ def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
     return int(torch.count_nonzero(v)) == v.numel()
 
 
+_FEW_ZEROS = 0.05  # below this zero fraction the one-slice test is tried before the probe
 _PROBE_INNER = 64  # entries after the unit dimension (pixels) the probe reads per row at most
 _PROBE_PER_UNIT = 16  # elements per unit the probe reads at least
 
@@ -491,9 +493,14 @@ class ActivationCapture:
         for t, d, row in zip(tensors, dims, counts.tolist()):
             known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
             if known is None and t.is_cpu:
-                alive = _probe_alive(t, d)
-                if alive is None:
-                    alive = _one_slice_alive(t, d)
+                # Few zeros (a causal LM's gradient: its last position): one slice, the cheaper
+                # test, usually decides; many (ReLU, dropout): it fails, the corner probe first.
+                if row[ZERO] < _FEW_ZEROS * t.numel():
+                    alive = _one_slice_alive(t, d) or _probe_alive(t, d)
+                else:
+                    alive = _probe_alive(t, d)
+                    if alive is None:
+                        alive = _one_slice_alive(t, d)
                 if alive:
                     known = 0
             dead.append(_unit_activity(t, d) if known is None else known)
