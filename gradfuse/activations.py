@@ -192,8 +192,12 @@ def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
         return None
     m = min(inner, _PROBE_INNER)
     k = min(-(-_PROBE_PER_UNIT // m), rows // 4)
-    corner = t.view(rows, units, inner)[:k, :, :m]
-    activity = corner.abs().sum(dim=(0, 2))
+    if inner == 1:  # (positions, units): the first k rows, contiguous
+        activity = t.view(rows, units)[:k].abs().sum(0)
+    elif k == 1:  # (units, pixels) of the first image
+        activity = t.view(rows, units, inner)[0, :, :m].abs().sum(1)
+    else:
+        activity = t.view(rows, units, inner)[:k, :, :m].abs().sum(dim=(0, 2))
     return int(torch.count_nonzero(activity)) == units
 
 
