@@ -11,7 +11,9 @@
     side with ``torch.autograd.detect_anomaly`` on the same step.
 
 Every variant runs once per round, in a shuffled order, for ``--rounds`` rounds in one process;
-the table gives medians and the median of the per-round ratios to the baseline of the round. Time
+the table gives medians and the median of the per-round ratios to the baseline of the round
+(``--adjacent``: each variant runs right after a baseline step of its own, and the ratio is to
+that step). Time
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
@@ -25,6 +27,7 @@ import random
 import statistics
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -175,9 +178,11 @@ class ReadFloor:
         return self
 
     def _read(self, t, side):
-        key = (id(t), t._version)
-        if self.last[side] != key:
-            self.last[side] = key
+        # the very object (a weak reference, as gradfuse's memo: an id can be handed on to a
+        # new gradient once the previous one is freed) at the same version
+        last = self.last[side]
+        if last is None or last[0]() is not t or last[1] != t._version:
+            self.last[side] = (weakref.ref(t), t._version)
             t.detach().sum()
             self.bytes += t.numel() * t.element_size()
             self.tensors += 1
@@ -221,7 +226,8 @@ def count_capture_bytes(model, loss_fn) -> dict:
 
 
 # -- timing ---------------------------------------------------------------------------------------
-def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> tuple[str, dict]:
+def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
+              adjacent: bool = False) -> tuple[str, dict]:
     params = list(model.parameters())
 
     def zero():
@@ -253,6 +259,14 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
             capture()
         finally:
             acts._unit_activity = real
+
+    def capture_no_probe():  # before/after: the capture as of session 4 (no corner probe)
+        real = acts._probe_alive
+        acts._probe_alive = lambda t, dim: None
+        try:
+            capture()
+        finally:
+            acts._probe_alive = real
 
     def hooks_only():  # decomposition: the capture's hooks and bookkeeping, reading no tensor
         cap = acts.ActivationCapture(model, stats=False)
@@ -288,7 +302,8 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
             with torch.autograd.detect_anomaly():
                 loss_fn().backward()
 
-    variants = {"plain": plain, "capture": capture, "capture_no_dead_units": capture_no_dead_units,
+    variants = {"plain": plain, "capture": capture, "capture_no_probe": capture_no_probe,
+                "capture_no_dead_units": capture_no_dead_units,
                 "hooks_only": hooks_only, "hook_loop": hook_loop, "read_floor": read_floor,
                 "monitor": monitored(mon_plain, "monitor"),
                 "monitor_activations_unsampled": monitored(mon_act, "monitor_activations_unsampled"),
@@ -315,17 +330,36 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None) -> t
     times = {k: [] for k in variants}
     walls = {k: [] for k in variants}
     rng = random.Random(seed)
+
+    def timed(k):
+        w, t = time.perf_counter(), time.process_time()
+        variants[k]()
+        cpu, wall = time.process_time() - t, time.perf_counter() - w
+        mon_trace._act_hooks.take()
+        zero()
+        return cpu, wall
+
+    adjacent_base: dict = {}  # adjacent: variant -> its baseline's times, each run right before it
     for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
+        if adjacent:  # each variant right after its own baseline step: load changes over a
+            order = [k for k in order if k in BASELINE]  # round cancel out of the ratio
+            for k in order:
+                cpu, wall = timed(BASELINE[k])
+                times[BASELINE[k]].append(cpu)
+                walls[BASELINE[k]].append(wall)
+                adjacent_base.setdefault(k, []).append(cpu)
+                cpu, wall = timed(k)
+                times[k].append(cpu)
+                walls[k].append(wall)
+            continue
         for k in order:
-            w, t = time.perf_counter(), time.process_time()
-            variants[k]()
-            times[k].append(time.process_time() - t)
-            walls[k].append(time.perf_counter() - w)
-            mon_trace._act_hooks.take()
-            zero()
+            cpu, wall = timed(k)
+            times[k].append(cpu)
+            walls[k].append(wall)
     mon_trace.close()
+    times["_adjacent"] = adjacent_base
     return report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read), times
 
 
@@ -333,10 +367,11 @@ def report(label, times, walls, loop, cap, hooks_seen, rounds, floor, read) -> s
     return partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_seen)
 
 
-BASELINE = {"capture": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
+BASELINE = {"capture": "plain", "capture_no_probe": "plain", "capture_no_dead_units": "plain", "hooks_only": "plain",
             "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
             "monitor_activations_unsampled": "monitor", "monitor_trace": "monitor"}
 TITLES = {"plain": "plain forward+backward", "capture": "(a) capture_activations, every module",
+          "capture_no_probe": "  capture without the corner probe (session 4's code; before)",
           "capture_no_dead_units": "  capture without its dead-unit passes (decomposition)",
           "hooks_only": "  capture's hooks and bookkeeping only, no tensor read (decomposition)",
           "hook_loop": "(b) hook loop with .item()",
@@ -352,16 +387,18 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
     value, 3 N per dead-unit pass taken); the hook loop's per activation/gradient byte N (fp32:
     a bool is N/4): mean N, std N, norm N, isnan N + N/4 + any N/4, ==0 N + N/4, .float() N/4 + N,
     mean N, ne(0) N + N/4, any N/4 = 9.75 N."""
+    adjacent = times.pop("_adjacent", None) or {}
     med = {k: statistics.median(v) for k, v in times.items()}
     wall = {k: statistics.median(v) for k, v in walls.items()}
 
     def ratio(k, base):
-        return statistics.median(a / b for a, b in zip(times[k], times[base]))
+        return statistics.median(a / b for a, b in zip(times[k], adjacent.get(k, times[base])))
 
     lines = [f"**{label}**: {len(cap.forward)} forward rows and {len(cap.backward)} backward rows per step, "
              f"{loop.bytes / 1e6:.1f} MB of outputs and output gradients as the hooks see them, "
              f"{floor.bytes / 1e6:.1f} MB distinct values; {rounds} rounds", "",
-             "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of per-round ratios) |",
+             "| variant | median CPU ms | median wall ms | vs its baseline (CPU time, median of "
+             + ("ratios to the baseline step run right before it) |" if adjacent else "per-round ratios) |"),
              "|---|---:|---:|---:|"]
     for k in TITLES:
         if k in times:
@@ -380,7 +417,7 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
         lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read once); "
                      f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats {read['stats'] / 1e6:.0f} MB "
                      f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB (abs read+write, sum read; "
-                     f"the other rows' dead units are decided by their zero count); the hook loop ~"
+                     f"the other rows' dead units are decided by their zero count, the corner probe or the one-slice test); the hook loop ~"
                      f"{9.75 * loop.bytes / 1e6:.0f} MB (9.75 N) and {ITEMS_PER_TENSOR * loop.tensors} `.item()` calls")
     if "monitor_activations_unsampled" in times:
         lines.append(f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')}")
@@ -394,6 +431,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--adjacent", action="store_true",
+                        help="run each variant right after its own baseline step and take the ratio "
+                             "to that step (on a loaded machine, steadier than one baseline per round)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, for the test suite")
     parser.add_argument("--variants", default="",
                         help="comma list of variants to time (their baselines are added): capture, "
@@ -411,7 +451,7 @@ def main(argv=None) -> int:
         unknown = set(only) - set(BASELINE)
         if unknown:
             parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(BASELINE)}")
-        text, _ = run_model(label, model, loss_fn, args.rounds, only=only)
+        text, _ = run_model(label, model, loss_fn, args.rounds, only=only, adjacent=args.adjacent)
         print(text + "\n", flush=True)
     return 0
 

@@ -39,8 +39,11 @@ Cost and memory
     last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
     reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
     version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
-    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`) or when one
-    slice across all units holds no zero (:func:`_one_slice_alive`), both exact, and
+    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`), when a
+    small corner of the batch (the first image's first 64 pixels, the first 16 positions) holds a
+    non-zero in every unit (:func:`_probe_alive`), or when one slice across all units holds no
+    zero (:func:`_one_slice_alive`; tried first when under 5% of the elements are zero), all
+    exact, and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
 
@@ -162,6 +165,40 @@ def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
         return True
     v = t[(0,) * dim + (slice(None),) + (0,) * (t.dim() - dim - 1)]
     return int(torch.count_nonzero(v)) == v.numel()
+
+
+_FEW_ZEROS = 0.05  # below this zero fraction the one-slice test is tried before the probe
+_PROBE_INNER = 64  # entries after the unit dimension (pixels) the probe reads per row at most
+_PROBE_PER_UNIT = 16  # elements per unit the probe reads at least
+
+
+def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
+    """True when a small corner of the tensor already holds a non-zero in every unit: then no
+    unit is dead (a dead unit is zero everywhere, also there). Exact; CPU only (reads the
+    result). With ``rows`` the entries of the dimensions before ``dim`` (examples, positions)
+    and ``inner`` those after it (pixels), the corner is the first ``m <= 64`` inner entries of
+    the first ``k`` rows, at least 16 elements per unit, at most a quarter of the rows: 64
+    pixels of the first image for a conv output, 16 positions of a transformer's hidden state.
+    The full per-unit pass runs only when a unit is still all zero there. A ReLU output (half
+    its elements zero) or a dropout output (a tenth) defeats the zero count and the one-slice
+    test but not this. None when the probe does not apply (unit dimension first, too few rows,
+    not contiguous): the caller tries the one-slice test instead (the corner holds that slice)."""
+    if dim == 0 or t.dim() < 2 or not t.is_contiguous():
+        return None
+    units = t.shape[dim]
+    rows = math.prod(t.shape[:dim])
+    inner = math.prod(t.shape[dim + 1:])
+    if rows < 4 or units == 0 or inner == 0:
+        return None
+    m = min(inner, _PROBE_INNER)
+    k = min(-(-_PROBE_PER_UNIT // m), rows // 4)
+    if inner == 1:  # (positions, units): the first k rows, contiguous
+        activity = t.view(rows, units)[:k].abs().sum(0)
+    elif k == 1:  # (units, pixels) of the first image
+        activity = t.view(rows, units, inner)[0, :, :m].abs().sum(1)
+    else:
+        activity = t.view(rows, units, inner)[:k, :, :m].abs().sum(dim=(0, 2))
+    return int(torch.count_nonzero(activity)) == units
 
 
 class ActivationStats(GradStats):
@@ -459,8 +496,17 @@ class ActivationCapture:
         dead = []
         for t, d, row in zip(tensors, dims, counts.tolist()):
             known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
-            if known is None and t.is_cpu and _one_slice_alive(t, d):
-                known = 0
+            if known is None and t.is_cpu:
+                # Few zeros (a causal LM's gradient: its last position): one slice, the cheaper
+                # test, usually decides; many (ReLU, dropout): it fails, the corner probe first.
+                if row[ZERO] < _FEW_ZEROS * t.numel():
+                    alive = _one_slice_alive(t, d) or _probe_alive(t, d)
+                else:
+                    alive = _probe_alive(t, d)
+                    if alive is None:
+                        alive = _one_slice_alive(t, d)
+                if alive:
+                    known = 0
             dead.append(_unit_activity(t, d) if known is None else known)
         return floats, counts, dead
 
