@@ -11,7 +11,8 @@
 //  - the eight "hot" fields are counted in byte counters by compare-and-subtract (vpcmpeqb,
 //    vpsubb), emptied into 64-bit totals (vpsadbw) every block of 64 vectors (< 255 per lane);
 //  - the OR of the eight compares shows the lanes holding another field; a vector with one
-//    (rare) stores its fields and increments their counters one by one (movemask, bit loop).
+//    (rare) reads those elements again by lane index and increments their counters one by
+//    one (movemask, bit loop).
 //
 // The hot fields come from the previous chunk of the same worker (its whole histogram), or, for
 // a worker's first chunk and after a block where more than 1/16 of the lanes missed them, from a
