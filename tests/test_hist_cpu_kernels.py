@@ -4,7 +4,14 @@ torch.frexp reference, at the sizes and value patterns where a chunk loop has ed
 increment on one counter, and whole chunks in the lumped zero / Inf / NaN rows that pass 2 sorts
 out), wide chunks between narrow ones in one call and across calls, 1 and 2 threads. (A pair-
 counting AVX2 loop was tried in session 4 and dropped: see benchmarks/RESULTS.md; these tests
-were written for it and kept.)"""
+were written for it and kept.)
+
+Session 5's AVX2 kernel (csrc/cpu/hist_avx2.cpp) counts the eight hottest exponent fields of a
+chunk in byte lanes (32 elements per vector, 64-vector blocks) and every other lane by its index;
+it takes the hot fields from the worker's previous chunk or from a 256-element sample, samples
+again after a block where more than 1/16 of the lanes missed, and counts 2048 elements with the
+scalar loop when eight fields cover less than 7/8 of a sample. The tests below the line aim at
+each of those edges, under both capabilities (the default loop must give the same counts)."""
 import math
 
 import pytest
@@ -93,3 +100,115 @@ def test_builds_agree_across_threads(dtype):
     for got in results.values():
         torch.testing.assert_close(got, expect, rtol=0, atol=0)
     assert expect[1].count_nonzero() > 10 and expect[2, 1] > 0  # many binades; zeros (pass 2)
+
+
+# ---- session 5: the hot-field AVX2 kernel ----------------------------------------------------
+SAMPLE, VEC, BLOCK = 256, 32, 64 * 32
+
+
+def binade_values(dtype, exps, n, seed):
+    """n values of `dtype` with floor(log2|x|) drawn from `exps` (cycled), random signs and
+    mantissas: exactly the fields those exponents have."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.tensor(exps, dtype=torch.float64).repeat(n // len(exps) + 1)[:n]
+    u = 1 + torch.rand(n, generator=g, dtype=torch.float64) * 0.9
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    return (sign * u * torch.exp2(e)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_hot_field_boundaries(dtype, cpu_capability):
+    # Exactly 8 fields (every lane hot), 9 fields (the ninth always misses), 7 fields (a hot
+    # field that never occurs), one field per vector lane pattern, and 8 fields whose counts
+    # tie; every size past the sample in whole vectors, plus tails.
+    top = 12 if dtype == torch.float16 else 20
+    tensors = []
+    for k in (7, 8, 9):
+        exps = list(range(top - k, top))
+        for n in (SAMPLE + VEC - 1, SAMPLE + VEC, SAMPLE + BLOCK, SAMPLE + BLOCK + 33, CHUNK, CHUNK + 95):
+            tensors.append(binade_values(dtype, exps, n, seed=n + k))
+    got = check(tensors)
+    assert (got[:6] > 0).sum(1).eq(7).all() and (got[-6:] > 0).sum(1).eq(9).all()
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_a_missing_lane_at_every_position(dtype, cpu_capability):
+    # After the sample, vector v holds one element of a field outside the hot eight, at lane
+    # position v % 32 (of 32 elements): the lane -> element map of the packed fields is exercised
+    # at every byte lane (and a wrong map counts a hot field twice).
+    n = SAMPLE + 64 * VEC
+    x = binade_values(dtype, [0, -1, -2, -3, -4, -5, -6, -7], n, seed=3)
+    far = binade_values(dtype, [8, 9, 10], 64, seed=4)
+    for v in range(64):
+        x[SAMPLE + v * VEC + v % VEC] = far[v]
+    tensors = [x, x[1:], x[: n - 5]]
+    got = check(tensors)
+    assert got[0, 8 + 151:11 + 151].sum() == 64
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_hot_fields_shift_within_and_across_chunks(dtype, cpu_capability):
+    # The distribution moves every few blocks (a new sample each time), between chunks of one
+    # tensor (the carried hot fields are all wrong for the next chunk's first block) and between
+    # tensors; blocks of values spread over every field (the scalar run) in between.
+    lo, hi = (-12, 12) if dtype == torch.float16 else (-100, 100)
+    parts = []
+    for i, base in enumerate([0, hi - 8, lo + 2, 0, hi - 8]):
+        parts.append(binade_values(dtype, list(range(base, base + 8)), 3 * BLOCK + 17 * i, seed=i))
+        parts.append(every_exponent(dtype, BLOCK + 5, seed=i))
+    x = torch.cat(parts)
+    y = torch.cat([binade_values(dtype, [hi - 1], CHUNK, seed=1), binade_values(dtype, [lo + 1], CHUNK + 77, seed=2)])
+    got = check([x, y, x[3:], y[5:]])
+    assert (got[0] > 0).sum() > 30 and got[1, lo + 1 + 151] == CHUNK + 77
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_all_outlier_vectors(dtype, cpu_capability):
+    # Every field equally often (no eight cover 7/8): the scalar runs and samples alternate; and
+    # a sample of one value followed by a block where every lane misses.
+    spread = random_bits(dtype, 3 * CHUNK + 11, seed=9)
+    flip = torch.cat([torch.full((SAMPLE,), 0.75, dtype=dtype), random_bits(dtype, 5 * BLOCK, seed=10)])
+    got = check([spread, flip])
+    assert (got[0] > 0).sum() > 40
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_special_values_in_pass_two(dtype, cpu_capability):
+    # Pass 2 counts zeros in vector lanes and sends subnormals / Inf / NaN one by one: mostly-
+    # zero chunks (embedding-like), zeros of both signs, subnormals, +-Inf and NaN (payloads of
+    # both signs) at every lane position of a vector and in the tail, among normal values.
+    tiny = torch.finfo(dtype).smallest_normal
+    n = CHUNK + 3 * VEC + 7
+    x = torch.zeros(n, dtype=dtype)
+    x[::97] = binade_values(dtype, [-3, -4, -5], len(x[::97]), seed=1)
+    specials = [-0.0, tiny / 2, -tiny / 64, math.inf, -math.inf, math.nan, tiny, 0.0]
+    for p in range(40):
+        x[p * 33 % n] = specials[p % len(specials)]
+        x[n - 1 - p] = specials[(p + 3) % len(specials)]
+    nan_neg = torch.tensor([-math.nan], dtype=dtype)
+    x[1000:1016] = nan_neg
+    y = binade_values(dtype, [0, -1], n, seed=5)
+    y[7::500] = 0.0
+    y[11::777] = tiny / 8
+    got = check([x, y, x[1:], y[3:]])
+    assert got[0, 1] > CHUNK // 2 and got[0, 280:].sum() > 20 and got[1, 1] > 100
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES + [torch.float64], ids=IDS)
+def test_many_tensors_of_mixed_distributions(dtype, cpu_capability):
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for i in range(120):
+        n = int(torch.randint(0, 5000, (1,), generator=g)) if i % 10 else CHUNK + i
+        kind = i % 4
+        if kind == 0:
+            t = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+        elif kind == 1:
+            t = uniform(dtype, n, seed=i)
+        elif kind == 2:
+            t = torch.full((n,), 2.0 ** (i % 9), dtype=dtype)
+        else:
+            t = every_exponent(dtype, n, seed=i)
+        tensors.append(t)
+    got = check(tensors)
+    assert got.sum() > 100000 and (got.sum(0) > 0).sum() > 30

@@ -8,17 +8,22 @@
 // constant tensor only one), so a single histogram would chain each increment on the store of
 // the previous one to the same counter (store-to-load forwarding, ~5 cycles). Four histograms
 // taken in turn break the chain; they are summed at the end of the chunk. (No SIMD: AVX2 has no
-// scatter, and the row arithmetic is 2 of the ~4 instructions per element.)
+// scatter, and the row arithmetic is 2 of the ~4 instructions per element.) This loop is the
+// "default" CPU capability's; on AVX2 CPUs hist_avx2.cpp counts the few hot exponent fields in
+// vector registers instead (session 5, benchmarks/RESULTS.md), for float32 / bfloat16 / float16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/chunk_plan.h"
 #include "../common/hist_math.h"
 #include "../common/op_checks.h"
+#include "cpu_capability.h"
+#include "hist_kernels.h"
 
 namespace gradfuse::cpu {
 namespace {
@@ -58,8 +63,21 @@ void histogram_chunk(const char* x, int64_t n, int32_t* out) {
   }
 }
 
+// The AVX2 kernel of layout L where there is one (float64 has none): false otherwise.
 template <typename L>
-void histogram_chunks(const DenseGroup& group, int64_t begin, int64_t end, int32_t* partials) {
+bool histogram_chunk_avx2(const char* x, int64_t n, int32_t* out, HistHotFields* hot) {
+#ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
+  if constexpr (std::is_same_v<L, Fp32Layout>) return histogram_chunk_avx2_fp32(x, n, out, hot), true;
+  if constexpr (std::is_same_v<L, Bf16Layout>) return histogram_chunk_avx2_bf16(x, n, out, hot), true;
+  if constexpr (std::is_same_v<L, Fp16Layout>) return histogram_chunk_avx2_fp16(x, n, out, hot), true;
+#endif
+  return false;
+}
+
+template <typename L>
+void histogram_chunks(const DenseGroup& group, int64_t begin, int64_t end, int32_t* partials,
+                      bool avx2) {
+  HistHotFields hot;  // carried from chunk to chunk of this worker
   const auto& first = group.plan.first_chunk;
   const int64_t num_tensors = static_cast<int64_t>(group.spans.size());
   int64_t t = owner_of_chunk(first.data(), num_tensors, begin);
@@ -69,7 +87,8 @@ void histogram_chunks(const DenseGroup& group, int64_t begin, int64_t end, int32
     const int64_t n = std::min(kChunkElems, group.spans[t].numel - offset);
     const char* x = static_cast<const char*>(group.spans[t].data) +
                     offset * static_cast<int64_t>(sizeof(typename L::Bits));
-    histogram_chunk<L>(x, n, partials + c * kNumHistBins);
+    int32_t* out = partials + c * kNumHistBins;
+    if (!(avx2 && histogram_chunk_avx2<L>(x, n, out, &hot))) histogram_chunk<L>(x, n, out);
   }
 }
 
@@ -84,12 +103,13 @@ at::Tensor multi_tensor_exponent_histogram_cpu(at::TensorList tensors) {
   auto partials = at::empty({std::max<int64_t>(num_chunks, 1), kNumHistBins}, at::TensorOptions().dtype(at::kInt));
   int32_t* part = partials.data_ptr<int32_t>();
   const auto dtype = tensors[0].scalar_type();
+  const bool avx2 = active_cpu_capability() == "avx2";
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     switch (dtype) {
-      case at::kHalf: return histogram_chunks<Fp16Layout>(group, begin, end, part);
-      case at::kBFloat16: return histogram_chunks<Bf16Layout>(group, begin, end, part);
-      case at::kFloat: return histogram_chunks<Fp32Layout>(group, begin, end, part);
-      case at::kDouble: return histogram_chunks<Fp64Layout>(group, begin, end, part);
+      case at::kHalf: return histogram_chunks<Fp16Layout>(group, begin, end, part, avx2);
+      case at::kBFloat16: return histogram_chunks<Bf16Layout>(group, begin, end, part, avx2);
+      case at::kFloat: return histogram_chunks<Fp32Layout>(group, begin, end, part, avx2);
+      case at::kDouble: return histogram_chunks<Fp64Layout>(group, begin, end, part, avx2);
       default: break;  // checked above
     }
   });
