@@ -17,6 +17,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -156,6 +158,11 @@ class ParamWatch : public torch::CustomClassHolder {
   // as api._scale_): gradfuse.ZClip's coefficient, computed on the device. False (nothing
   // touched) on a mismatch.
   bool scale_by(const at::Tensor& coef) { return scale(coef); }
+
+  // ListWalk (below, for gradfuse.stats / clip_ / clip_grad_norm_ on a list): the parameters of
+  // one call, read from the caller's list, and released when the call returns.
+  void set_params(std::vector<at::Tensor>&& params) { params_ = std::move(params); }
+  void clear_params() { params_.clear(); }
 
  private:
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
@@ -364,6 +371,132 @@ class ParamWatch : public torch::CustomClassHolder {
   c10::Device result_device_{c10::DeviceType::CPU};
   at::ScalarType result_dtype_{at::kFloat};
 };
+
+// The functional calls' walk (gradfuse/walk_cache.py): a plan made from an earlier call on a
+// list of parameters or (name, parameter) pairs, and each call's items read from the caller's
+// list here, in C++, instead of Python building names, parameters and gradients lists. The plan
+// keeps no tensor: a ParamWatch whose parameters are the call's items while it runs (so a cached
+// plan keeps no model alive), and the names as Python strings. Every item is checked against the
+// plan (its kind, its name, its type: exactly torch.Tensor or nn.Parameter), then the
+// ParamWatch checks every gradient as for gradfuse.watch; any difference is "no match" (None),
+// and Python takes the functional path for that call.
+class __attribute__((visibility("hidden"))) ListWalk {
+ public:
+  // names[i]: the name of item i when it is a (name, parameter) pair, None when it is a tensor
+  // (named "[i]" by gradfuse.api); types: the exact parameter types taken.
+  ListWalk(pybind11::list names, pybind11::tuple types)
+      : names_(std::move(names)), types_(std::move(types)),
+        watch_(c10::make_intrusive<ParamWatch>(std::vector<at::Tensor>())) {}
+
+  bool plan(pybind11::handle items, pybind11::list rows, pybind11::handle total_like,
+            pybind11::list device_types) {
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return false;
+    std::vector<int64_t> r;
+    r.reserve(rows.size());
+    for (auto row : rows) r.push_back(row.cast<int64_t>());
+    std::vector<std::string> types;
+    for (auto t : device_types) types.push_back(t.cast<std::string>());
+    planned_ = watch_->plan(r, THPVariable_Unpack(total_like.ptr()), types);
+    return planned_;
+  }
+
+  // (floats, counts, total_norm) as gradfuse.stats returns them, or None.
+  pybind11::object stats(pybind11::handle items, double norm_type) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->stats(norm_type));
+  }
+
+  // (floats, counts, total_norm, clip_coef) after scaling the gradients, as gradfuse.clip_, or
+  // None with nothing touched.
+  pybind11::object clip(pybind11::handle items, double norm_type, double max_norm) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->clip(norm_type, max_norm));
+  }
+
+  // (clip_coef,) after scaling this call's gradients for `total` (from stats on the same items),
+  // or None with nothing touched.
+  pybind11::object clip_to(pybind11::handle items, pybind11::handle total, double max_norm) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->clip_to(THPVariable_Unpack(total.ptr()), max_norm));
+  }
+
+ private:
+  // The items of a call in the ParamWatch while it runs (released by the destructor, also when
+  // a kernel throws).
+  struct Loaded {
+    Loaded(ListWalk& w, pybind11::handle items) : walk(w) { ok = walk.load(items); }
+    ~Loaded() { walk.watch_->clear_params(); }
+    ListWalk& walk;
+    bool ok = false;
+  };
+
+  bool takes_type(PyObject* obj) const {
+    auto* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+    for (auto t : types_) {
+      if (t.ptr() == type) return true;
+    }
+    return false;
+  }
+
+  bool load(pybind11::handle items) {
+    PyObject* seq = items.ptr();
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != static_cast<Py_ssize_t>(names_.size())) return false;
+    PyObject** item = PySequence_Fast_ITEMS(seq);
+    PyObject** names = PySequence_Fast_ITEMS(names_.ptr());
+    std::vector<at::Tensor> params;
+    params.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* obj = item[i];
+      PyObject* name = names[i];
+      if (name == Py_None) {  // a tensor, named "[i]"
+        if (!takes_type(obj)) return false;
+      } else {
+        if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return false;
+        PyObject* got = PyTuple_GET_ITEM(obj, 0);
+        if (got != name && !(PyUnicode_CheckExact(got) && PyUnicode_Compare(got, name) == 0)) {
+          return false;
+        }
+        obj = PyTuple_GET_ITEM(obj, 1);
+        if (!takes_type(obj)) return false;
+      }
+      params.push_back(THPVariable_Unpack(obj));
+    }
+    watch_->set_params(std::move(params));
+    return true;
+  }
+
+  static pybind11::object wrap(const std::vector<at::Tensor>& out) {
+    if (out.empty()) return pybind11::none();
+    pybind11::tuple t(out.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      t[i] = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out[i]));
+    }
+    return t;
+  }
+
+  pybind11::list names_;
+  pybind11::tuple types_;
+  c10::intrusive_ptr<ParamWatch> watch_;
+  bool planned_ = false;
+};
+
+void bind_list_walk(pybind11::module_& m) {
+  pybind11::class_<ListWalk>(m, "ListWalk")
+      .def(pybind11::init<pybind11::list, pybind11::tuple>())
+      .def("plan", &ListWalk::plan)
+      .def("stats", &ListWalk::stats)
+      .def("clip", &ListWalk::clip)
+      .def("clip_to", &ListWalk::clip_to);
+}
 
 TORCH_LIBRARY_FRAGMENT(gradfuse, m) {
   m.class_<ParamWatch>("ParamWatch")
