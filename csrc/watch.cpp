@@ -81,7 +81,10 @@ struct Group {
 
 class ParamWatch : public torch::CustomClassHolder {
  public:
-  explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+  explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {
+    impls_.reserve(params_.size());
+    for (const auto& t : params_) impls_.push_back(t.unsafeGetTensorImpl());
+  }
 
   // Makes the plan from the current gradients: `rows` are the indices of the parameters with a
   // gradient, in the order of the rows of the functional path's result (group by group),
@@ -160,16 +163,18 @@ class ParamWatch : public torch::CustomClassHolder {
   bool scale_by(const at::Tensor& coef) { return scale(coef); }
 
   // ListWalk (below, for gradfuse.stats / clip_ / clip_grad_norm_ on a list): the parameters of
-  // one call, read from the caller's list, and released when the call returns.
-  void set_params(std::vector<at::Tensor>&& params) { params_ = std::move(params); }
-  void clear_params() { params_.clear(); }
+  // one call, borrowed from the caller's list (which holds them while the call runs, the GIL
+  // held), and forgotten when it returns. No reference is taken: a reference count is a write
+  // to each TensorImpl's cache line, twice per parameter.
+  void borrow_params(std::vector<c10::TensorImpl*>&& impls) { impls_ = std::move(impls); }
+  void forget_params() { impls_.clear(); }
 
  private:
-  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+  int64_t size() const { return static_cast<int64_t>(impls_.size()); }
 
   // Tensor::grad() also asks autograd whether the tensor is a leaf (to warn about non-leaf
   // reads), a virtual call per parameter; the value read is the same.
-  const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
+  const at::Tensor& grad_of(int64_t i) const { return impls_[i]->grad(); }
 
   // Reading a gradient and handing it to the kernel follows five pointers per parameter
   // (parameter, autograd meta, gradient, storage, data), each a cache miss on a model of
@@ -178,9 +183,9 @@ class ParamWatch : public torch::CustomClassHolder {
   void prefetch_ahead(const std::vector<int64_t>& idx, size_t j) const {
     constexpr size_t kAhead = 8;
     const size_t n = idx.size();
-    if (j + 5 * kAhead < n) __builtin_prefetch(params_[idx[j + 5 * kAhead]].unsafeGetTensorImpl());
+    if (j + 5 * kAhead < n) __builtin_prefetch(impls_[idx[j + 5 * kAhead]]);
     if (j + 4 * kAhead < n) {
-      if (const auto* meta = params_[idx[j + 4 * kAhead]].unsafeGetTensorImpl()->autograd_meta()) {
+      if (const auto* meta = impls_[idx[j + 4 * kAhead]]->autograd_meta()) {
         __builtin_prefetch(meta);
         __builtin_prefetch(reinterpret_cast<const char*>(meta) + 64);
       }
@@ -365,7 +370,8 @@ class ParamWatch : public torch::CustomClassHolder {
     return true;
   }
 
-  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> params_;  // gradfuse.watch's parameters (none for a ListWalk)
+  std::vector<c10::TensorImpl*> impls_;  // params_'s, or a ListWalk call's borrowed ones
   std::vector<Group> groups_;
   std::vector<int64_t> absent_;  // parameters without a gradient when the plan was made
   c10::Device result_device_{c10::DeviceType::CPU};
@@ -432,7 +438,7 @@ class __attribute__((visibility("hidden"))) ListWalk {
   // a kernel throws).
   struct Loaded {
     Loaded(ListWalk& w, pybind11::handle items) : walk(w) { ok = walk.load(items); }
-    ~Loaded() { walk.watch_->clear_params(); }
+    ~Loaded() { walk.watch_->forget_params(); }
     ListWalk& walk;
     bool ok = false;
   };
@@ -452,9 +458,17 @@ class __attribute__((visibility("hidden"))) ListWalk {
     if (n != static_cast<Py_ssize_t>(names_.size())) return false;
     PyObject** item = PySequence_Fast_ITEMS(seq);
     PyObject** names = PySequence_Fast_ITEMS(names_.ptr());
-    std::vector<at::Tensor> params;
-    params.reserve(n);
+    std::vector<c10::TensorImpl*> impls;
+    impls.reserve(n);
+    constexpr Py_ssize_t kAhead = 8;  // each item is two dependent misses (pair, tensor object)
     for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 2 * kAhead < n) __builtin_prefetch(item[i + 2 * kAhead]);
+      if (i + kAhead < n) {
+        PyObject* ahead = item[i + kAhead];
+        if (PyTuple_CheckExact(ahead) && PyTuple_GET_SIZE(ahead) == 2) {
+          __builtin_prefetch(PyTuple_GET_ITEM(ahead, 1));
+        }
+      }
       PyObject* obj = item[i];
       PyObject* name = names[i];
       if (name == Py_None) {  // a tensor, named "[i]"
@@ -468,9 +482,9 @@ class __attribute__((visibility("hidden"))) ListWalk {
         obj = PyTuple_GET_ITEM(obj, 1);
         if (!takes_type(obj)) return false;
       }
-      params.push_back(THPVariable_Unpack(obj));
+      impls.push_back(THPVariable_Unpack(obj).unsafeGetTensorImpl());
     }
-    watch_->set_params(std::move(params));
+    watch_->borrow_params(std::move(impls));
     return true;
   }
 
