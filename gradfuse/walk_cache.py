@@ -123,9 +123,11 @@ def planned(source, p: float, names: list, params: list, grads: list, s: GradSta
     api._named_params gives them; ``grads``: those present; ``s``: the result): a plan for the
     next calls, when the walk can serve them."""
     key = _key(source)
-    cls = _walk_class()
-    if key is None or cls is None or not api._kernel_takes_order(p) or not len(s):
+    if key is None or not api._kernel_takes_order(p) or not len(s):
         return  # (no gradient yet: nothing to plan, and nothing to remember)
+    cls = _walk_class()
+    if cls is None:
+        return
     old = _plans.get(key)
     if old is not None and old.walk is None and old.skip > 0:  # could not plan: retry later
         old.skip -= 1
