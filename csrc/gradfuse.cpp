@@ -37,7 +37,12 @@ TORCH_LIBRARY(gradfuse, m) {
   m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
 }
 
+namespace gradfuse::watch {
+void bind_list_walk(pybind11::module_& m);  // csrc/watch.cpp: gradfuse.api's walk (issue 18)
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  gradfuse::watch::bind_list_walk(m);
   m.def("build_info", [] {
     pybind11::dict d;
     d["torch_version"] = GRADFUSE_TORCH_VERSION;

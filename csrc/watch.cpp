@@ -17,6 +17,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -79,7 +81,10 @@ struct Group {
 
 class ParamWatch : public torch::CustomClassHolder {
  public:
-  explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+  explicit ParamWatch(std::vector<at::Tensor> params) : params_(std::move(params)) {
+    impls_.reserve(params_.size());
+    for (const auto& t : params_) impls_.push_back(t.unsafeGetTensorImpl());
+  }
 
   // Makes the plan from the current gradients: `rows` are the indices of the parameters with a
   // gradient, in the order of the rows of the functional path's result (group by group),
@@ -157,12 +162,19 @@ class ParamWatch : public torch::CustomClassHolder {
   // touched) on a mismatch.
   bool scale_by(const at::Tensor& coef) { return scale(coef); }
 
+  // ListWalk (below, for gradfuse.stats / clip_ / clip_grad_norm_ on a list): the parameters of
+  // one call, borrowed from the caller's list (which holds them while the call runs, the GIL
+  // held), and forgotten when it returns. No reference is taken: a reference count is a write
+  // to each TensorImpl's cache line, twice per parameter.
+  void borrow_params(std::vector<c10::TensorImpl*>&& impls) { impls_ = std::move(impls); }
+  void forget_params() { impls_.clear(); }
+
  private:
-  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+  int64_t size() const { return static_cast<int64_t>(impls_.size()); }
 
   // Tensor::grad() also asks autograd whether the tensor is a leaf (to warn about non-leaf
   // reads), a virtual call per parameter; the value read is the same.
-  const at::Tensor& grad_of(int64_t i) const { return params_[i].unsafeGetTensorImpl()->grad(); }
+  const at::Tensor& grad_of(int64_t i) const { return impls_[i]->grad(); }
 
   // Reading a gradient and handing it to the kernel follows five pointers per parameter
   // (parameter, autograd meta, gradient, storage, data), each a cache miss on a model of
@@ -171,9 +183,9 @@ class ParamWatch : public torch::CustomClassHolder {
   void prefetch_ahead(const std::vector<int64_t>& idx, size_t j) const {
     constexpr size_t kAhead = 8;
     const size_t n = idx.size();
-    if (j + 5 * kAhead < n) __builtin_prefetch(params_[idx[j + 5 * kAhead]].unsafeGetTensorImpl());
+    if (j + 5 * kAhead < n) __builtin_prefetch(impls_[idx[j + 5 * kAhead]]);
     if (j + 4 * kAhead < n) {
-      if (const auto* meta = params_[idx[j + 4 * kAhead]].unsafeGetTensorImpl()->autograd_meta()) {
+      if (const auto* meta = impls_[idx[j + 4 * kAhead]]->autograd_meta()) {
         __builtin_prefetch(meta);
         __builtin_prefetch(reinterpret_cast<const char*>(meta) + 64);
       }
@@ -358,12 +370,147 @@ class ParamWatch : public torch::CustomClassHolder {
     return true;
   }
 
-  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> params_;  // gradfuse.watch's parameters (none for a ListWalk)
+  std::vector<c10::TensorImpl*> impls_;  // params_'s, or a ListWalk call's borrowed ones
   std::vector<Group> groups_;
   std::vector<int64_t> absent_;  // parameters without a gradient when the plan was made
   c10::Device result_device_{c10::DeviceType::CPU};
   at::ScalarType result_dtype_{at::kFloat};
 };
+
+// The functional calls' walk (gradfuse/walk_cache.py): a plan made from an earlier call on a
+// list of parameters or (name, parameter) pairs, and each call's items read from the caller's
+// list here, in C++, instead of Python building names, parameters and gradients lists. The plan
+// keeps no tensor: a ParamWatch whose parameters are the call's items while it runs (so a cached
+// plan keeps no model alive), and the names as Python strings. Every item is checked against the
+// plan (its kind, its name, its type: exactly torch.Tensor or nn.Parameter), then the
+// ParamWatch checks every gradient as for gradfuse.watch; any difference is "no match" (None),
+// and Python takes the functional path for that call.
+class __attribute__((visibility("hidden"))) ListWalk {
+ public:
+  // names[i]: the name of item i when it is a (name, parameter) pair, None when it is a tensor
+  // (named "[i]" by gradfuse.api); types: the exact parameter types taken.
+  ListWalk(pybind11::list names, pybind11::tuple types)
+      : names_(std::move(names)), types_(std::move(types)),
+        watch_(c10::make_intrusive<ParamWatch>(std::vector<at::Tensor>())) {}
+
+  bool plan(pybind11::handle items, pybind11::list rows, pybind11::handle total_like,
+            pybind11::list device_types) {
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return false;
+    std::vector<int64_t> r;
+    r.reserve(rows.size());
+    for (auto row : rows) r.push_back(row.cast<int64_t>());
+    std::vector<std::string> types;
+    for (auto t : device_types) types.push_back(t.cast<std::string>());
+    planned_ = watch_->plan(r, THPVariable_Unpack(total_like.ptr()), types);
+    return planned_;
+  }
+
+  // (floats, counts, total_norm) as gradfuse.stats returns them, or None.
+  pybind11::object stats(pybind11::handle items, double norm_type) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->stats(norm_type));
+  }
+
+  // (floats, counts, total_norm, clip_coef) after scaling the gradients, as gradfuse.clip_, or
+  // None with nothing touched.
+  pybind11::object clip(pybind11::handle items, double norm_type, double max_norm) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->clip(norm_type, max_norm));
+  }
+
+  // (clip_coef,) after scaling this call's gradients for `total` (from stats on the same items),
+  // or None with nothing touched.
+  pybind11::object clip_to(pybind11::handle items, pybind11::handle total, double max_norm) {
+    if (!planned_) return pybind11::none();
+    Loaded loaded(*this, items);
+    if (!loaded.ok) return pybind11::none();
+    return wrap(watch_->clip_to(THPVariable_Unpack(total.ptr()), max_norm));
+  }
+
+ private:
+  // The items of a call in the ParamWatch while it runs (released by the destructor, also when
+  // a kernel throws).
+  struct Loaded {
+    Loaded(ListWalk& w, pybind11::handle items) : walk(w) { ok = walk.load(items); }
+    ~Loaded() { walk.watch_->forget_params(); }
+    ListWalk& walk;
+    bool ok = false;
+  };
+
+  bool takes_type(PyObject* obj) const {
+    auto* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+    for (auto t : types_) {
+      if (t.ptr() == type) return true;
+    }
+    return false;
+  }
+
+  bool load(pybind11::handle items) {
+    PyObject* seq = items.ptr();
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != static_cast<Py_ssize_t>(names_.size())) return false;
+    PyObject** item = PySequence_Fast_ITEMS(seq);
+    PyObject** names = PySequence_Fast_ITEMS(names_.ptr());
+    std::vector<c10::TensorImpl*> impls;
+    impls.reserve(n);
+    constexpr Py_ssize_t kAhead = 8;  // each item is two dependent misses (pair, tensor object)
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 2 * kAhead < n) __builtin_prefetch(item[i + 2 * kAhead]);
+      if (i + kAhead < n) {
+        PyObject* ahead = item[i + kAhead];
+        if (PyTuple_CheckExact(ahead) && PyTuple_GET_SIZE(ahead) == 2) {
+          __builtin_prefetch(PyTuple_GET_ITEM(ahead, 1));
+        }
+      }
+      PyObject* obj = item[i];
+      PyObject* name = names[i];
+      if (name == Py_None) {  // a tensor, named "[i]"
+        if (!takes_type(obj)) return false;
+      } else {
+        if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return false;
+        PyObject* got = PyTuple_GET_ITEM(obj, 0);
+        if (got != name && !(PyUnicode_CheckExact(got) && PyUnicode_Compare(got, name) == 0)) {
+          return false;
+        }
+        obj = PyTuple_GET_ITEM(obj, 1);
+        if (!takes_type(obj)) return false;
+      }
+      impls.push_back(THPVariable_Unpack(obj).unsafeGetTensorImpl());
+    }
+    watch_->borrow_params(std::move(impls));
+    return true;
+  }
+
+  static pybind11::object wrap(const std::vector<at::Tensor>& out) {
+    if (out.empty()) return pybind11::none();
+    pybind11::tuple t(out.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      t[i] = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out[i]));
+    }
+    return t;
+  }
+
+  pybind11::list names_;
+  pybind11::tuple types_;
+  c10::intrusive_ptr<ParamWatch> watch_;
+  bool planned_ = false;
+};
+
+void bind_list_walk(pybind11::module_& m) {
+  pybind11::class_<ListWalk>(m, "ListWalk")
+      .def(pybind11::init<pybind11::list, pybind11::tuple>())
+      .def("plan", &ListWalk::plan)
+      .def("stats", &ListWalk::stats)
+      .def("clip", &ListWalk::clip)
+      .def("clip_to", &ListWalk::clip_to);
+}
 
 TORCH_LIBRARY_FRAGMENT(gradfuse, m) {
   m.class_<ParamWatch>("ParamWatch")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from gradfuse import distributed, ops, sharded, slow_paths
+from gradfuse import distributed, ops, sharded, slow_paths, walk_cache
 from gradfuse import histogram as histogram_module
 from gradfuse.grad_stats import GradStats
 from gradfuse.reference import INF, MAXABS, NAN, NUMEL, POWSUM, SUMSQ, ZERO
@@ -279,8 +279,15 @@ def stats(source: Source, *, norm_type: float = 2.0, group=None, histogram: bool
     device, see :mod:`gradfuse.histogram`) and ``headroom`` (see :mod:`gradfuse.headroom`).
     """
     p = _check_norm_type(norm_type)
-    names, _params, grads = _named_grads(source)
+    if group is None and not histogram:  # issue 18: a list served in C++ (gradfuse.walk_cache)
+        s = walk_cache.stats(source, p)
+        if s is not None:
+            return s
+    all_names, params = _named_params(source)
+    names, _params, grads = _with_grads(all_names, params)
     s = _fused_stats(names, grads, p, group)
+    if group is None and not histogram:
+        walk_cache.planned(source, p, all_names, params, grads, s)
     return histogram_module.attach(s, names, grads) if histogram else s
 
 
@@ -414,9 +421,22 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         if is_generator and len(parameters) == 0:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    names, _params, grads = _grads_of(parameters, "clip_grad_norm_")
-    return _clip(names, grads, _check_max_norm(max_norm), _check_norm_type(norm_type),
-                 error_if_nonfinite, slow_path=True, rows=False).total_norm
+    try:  # issue 18: a list served in C++ (gradfuse.walk_cache); else errors in torch's order
+        s = _walk_clip(parameters, _check_max_norm(max_norm), _check_norm_type(norm_type),
+                       error_if_nonfinite)
+    except (TypeError, ValueError):
+        s = None
+    if s is not None:
+        return s.total_norm
+    try:
+        all_names, params = _named_params(parameters)
+        names, _params, grads = _with_grads(all_names, params)
+    except TypeError as e:  # an item that is not a tensor: torch fails reading its .grad
+        raise ParametersTypeError(f"gradfuse.clip_grad_norm_: {e}") from None
+    max_norm, p = _check_max_norm(max_norm), _check_norm_type(norm_type)
+    s = _clip(names, grads, max_norm, p, error_if_nonfinite, slow_path=True, rows=False)
+    walk_cache.planned(parameters, p, all_names, params, grads, s)
+    return s.total_norm
 
 
 @torch.no_grad()
@@ -488,5 +508,29 @@ def clip_(source: Source, max_norm: float | None, norm_type: float = 2.0,
                                     per=per, value=value, layer_depth=layer_depth)
     max_norm = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
-    names, _params, grads = _named_grads(source)
-    return _clip(names, grads, max_norm, p, error_if_nonfinite, group)
+    if group is None:  # issue 18: a list served in C++ (gradfuse.walk_cache)
+        s = _walk_clip(source, max_norm, p, error_if_nonfinite)
+        if s is not None:
+            return s
+    all_names, params = _named_params(source)
+    names, _params, grads = _with_grads(all_names, params)
+    s = _clip(names, grads, max_norm, p, error_if_nonfinite, group)
+    if group is None:
+        walk_cache.planned(source, p, all_names, params, grads, s)
+    return s
+
+
+def _walk_clip(source, max_norm: float, p: float, error_if_nonfinite: bool) -> GradStats | None:
+    """_clip on a list served in C++ (gradfuse.walk_cache), or None with nothing touched."""
+    if not error_if_nonfinite:
+        return walk_cache.clip(source, p, max_norm)
+    s = walk_cache.stats(source, p)
+    if s is None:
+        return None
+    if len(s):
+        _raise_if_nonfinite(s)
+    clipped = walk_cache.clip_to(source, s, max_norm)
+    if clipped is None:  # not expected (nothing changed since the stats): scale in Python
+        _names, _params, grads = _named_grads(source)
+        clipped = _scale_to_max_norm(s, grads, max_norm)
+    return clipped
