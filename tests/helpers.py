@@ -46,3 +46,15 @@ def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
             else:
                 tol = slack * eps * (scale[col] + abs(b)) * max(1, x.numel() ** 0.5 / 64) + underflow
                 assert abs(a - b) <= tol, f"tensor {i} col {col}: {a} vs {b} (tol {tol})"
+
+
+def assert_same_stats(a, b):
+    """Bitwise equal GradStats: rows, names, total norm (value and dtype), clip coefficient."""
+    assert a.names == b.names
+    assert torch.equal(a._floats, b._floats) and torch.equal(a._counts, b._counts)
+    assert a.total_norm.dtype == b.total_norm.dtype
+    torch.testing.assert_close(a.total_norm, b.total_norm, rtol=0, atol=0, equal_nan=True)
+    assert (a.clip_coef is None) == (b.clip_coef is None)
+    if a.clip_coef is not None:
+        torch.testing.assert_close(a.clip_coef, b.clip_coef, rtol=0, atol=0, equal_nan=True)
+        assert a.max_norm == b.max_norm

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
 from gradfuse import api, walk_cache
+from helpers import assert_same_stats
 
 pytestmark = pytest.mark.skipif(walk_cache._walk_class() is None,
                                 reason="gradfuse._C not built (or built without ListWalk)")
@@ -52,17 +53,6 @@ def uncached(fn, *args, **kwargs):
         walk_cache._key = key
 
 
-def assert_same(a, b):
-    assert a.names == b.names
-    assert torch.equal(a._floats, b._floats) and torch.equal(a._counts, b._counts)
-    assert a.total_norm.dtype == b.total_norm.dtype
-    torch.testing.assert_close(a.total_norm, b.total_norm, rtol=0, atol=0, equal_nan=True)
-    assert (a.clip_coef is None) == (b.clip_coef is None)
-    if a.clip_coef is not None:
-        torch.testing.assert_close(a.clip_coef, b.clip_coef, rtol=0, atol=0, equal_nan=True)
-        assert a.max_norm == b.max_norm
-
-
 def assert_same_grads(n1, n2):
     for (_, p), (_, q) in zip(n1, n2):
         assert (p.grad is None) == (q.grad is None)
@@ -98,13 +88,13 @@ def test_stats_bitwise_equal_to_the_functional_path(dtype, norm_type):
     for step in range(3):
         s, hit = served(gradfuse.stats, n1, norm_type=norm_type)
         assert hit == (step > 0)  # the first call plans, the next ones are served
-        assert_same(s, ref)
+        assert_same_stats(s, ref)
     for source in (tuple(n1), [p for _, p in n1], [n1[0][1]] + n1[1:]):  # tuple, tensors, mixed
         ref = uncached(gradfuse.stats, source, norm_type=norm_type)
         gradfuse.stats(source, norm_type=norm_type)
         s, hit = served(gradfuse.stats, source, norm_type=norm_type)
         assert hit
-        assert_same(s, ref)
+        assert_same_stats(s, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,7 +109,7 @@ def test_clip_bitwise_equal_and_clips(dtype, norm_type):
             ref = uncached(gradfuse.clip_, n2, max_norm, norm_type, error_if_nonfinite)
             s, hit = served(gradfuse.clip_, n1, max_norm, norm_type, error_if_nonfinite)
             assert hit
-            assert_same(s, ref)
+            assert_same_stats(s, ref)
             assert_same_grads(n1, n2)
     assert float(s.clip_coef) == 1.0 and float(ref.clip_coef) == 1.0
     clipped = float(uncached(gradfuse.stats, n2, norm_type=norm_type).total_norm.double())
@@ -229,15 +219,15 @@ def test_a_changed_list_is_seen_and_replanned(change, still_served):
     n2 = clone_named(n1)
     ref = uncached(gradfuse.stats, n2)
     s, hit = served(gradfuse.stats, n1)
-    assert_same(s, ref)
+    assert_same_stats(s, ref)
     assert hit == still_served
     if type(n1[1][1]) in (torch.Tensor, nn.Parameter):
         # the functional path served the changed list, and made a new plan
         s, hit = served(gradfuse.stats, n1)
         assert hit
-        assert_same(s, ref)
+        assert_same_stats(s, ref)
     ref = uncached(gradfuse.clip_, n2, 0.001)
-    assert_same(gradfuse.clip_(n1, 0.001), ref)
+    assert_same_stats(gradfuse.clip_(n1, 0.001), ref)
     assert_same_grads(n1, n2)
 
 
@@ -266,7 +256,7 @@ def test_new_models_with_recycled_ids():
         named = make_named(sizes, dtype, seed=k, prefix="p" if k % 3 else "w")
         ref = uncached(gradfuse.stats, clone_named(named))
         for _ in range(2):
-            assert_same(gradfuse.stats(named), ref)
+            assert_same_stats(gradfuse.stats(named), ref)
         del named
         gc.collect()
 
@@ -305,7 +295,7 @@ def test_dispatch_and_function_modes_take_the_functional_path():
     with Record():
         ref = uncached(gradfuse.stats, n2)
     assert not hit and len(seen) == n_ops and any("multi_tensor_stats" in f for f in seen)
-    assert_same(s, ref)
+    assert_same_stats(s, ref)
 
     class Passthrough(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -314,7 +304,7 @@ def test_dispatch_and_function_modes_take_the_functional_path():
     with Passthrough():
         s, hit = served(gradfuse.stats, n1)
     assert not hit
-    assert_same(s, ref)
+    assert_same_stats(s, ref)
 
 
 def test_what_the_walk_does_not_serve_is_unchanged():
@@ -324,7 +314,7 @@ def test_what_the_walk_does_not_serve_is_unchanged():
         for _ in range(2):
             s, hit = served(gradfuse.stats, n1, **kwargs)
             assert not hit
-            assert_same(s, ref)
+            assert_same_stats(s, ref)
     model = nn.Linear(3, 2)
     model(torch.randn(1, 3)).sum().backward()
     gradfuse.stats(model)

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gradfuse
+from helpers import assert_same_stats
 from gradfuse import _ext, api
 from gradfuse import grad_watch as watch_mod
 
@@ -48,18 +49,6 @@ def twins(dtype=torch.float32, seed=0, scale=1.0):
         (m(x) * scale).backward()
         models.append(m)
     return models
-
-
-def assert_same_stats(a, b):
-    """Bitwise equal GradStats: rows, names, total norm (value and dtype), clip coefficient."""
-    assert a.names == b.names
-    assert torch.equal(a._floats, b._floats) and torch.equal(a._counts, b._counts)
-    assert a.total_norm.dtype == b.total_norm.dtype
-    torch.testing.assert_close(a.total_norm, b.total_norm, rtol=0, atol=0, equal_nan=True)
-    assert (a.clip_coef is None) == (b.clip_coef is None)
-    if a.clip_coef is not None:
-        torch.testing.assert_close(a.clip_coef, b.clip_coef, rtol=0, atol=0, equal_nan=True)
-        assert a.max_norm == b.max_norm
 
 
 def assert_same_grads(m1, m2):

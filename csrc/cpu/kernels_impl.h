@@ -225,6 +225,16 @@ inline int64_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Asks for byte `ahead` of a chunk of nbytes at `bytes`, or past its end, for the memory read
+// after it (`pf`: the next chunk or tensor; may be null).
+inline void prefetch_ahead(const char* bytes, int64_t nbytes, int64_t ahead, const char* pf) {
+  if (ahead < nbytes) {
+    _mm_prefetch(bytes + ahead, _MM_HINT_T0);
+  } else if (pf != nullptr) {
+    _mm_prefetch(pf + (ahead - nbytes), _MM_HINT_T0);
+  }
+}
+
 // Lane sums in lane order (as reduce_vectorized adds them).
 inline float lane_sum_ps(__m256 v) {
   alignas(32) float b[8];
@@ -283,12 +293,7 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
     // Two sum streams, not four as in reduce_16bit: with the max, min and zero lanes, four would
     // need more than the 16 vector registers (measured: a third slower on cached data).
     for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
-      const int64_t ahead = i * static_cast<int64_t>(sizeof(float)) + kAhead;
-      if (ahead < nbytes) {
-        _mm_prefetch(bytes + ahead, _MM_HINT_T0);
-      } else if (pf != nullptr) {
-        _mm_prefetch(pf + (ahead - nbytes), _MM_HINT_T0);
-      }
+      prefetch_ahead(bytes, nbytes, i * static_cast<int64_t>(sizeof(float)) + kAhead, pf);
       step(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), r0, r1);
     }
     mid.template add<mode>(r0, r1);
@@ -373,12 +378,7 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
     // Two steps (one cache line) per iteration into four sum streams: with two, the latency of
     // the sum-of-squares FMA chain bounded the loop (half of what the vector units can do).
     for (int k = 0; k < kRun && n - i >= kStep; ++k) {
-      const int64_t ahead = i * static_cast<int64_t>(sizeof(scalar_t)) + kAhead;
-      if (ahead < nbytes) {
-        _mm_prefetch(bytes + ahead, _MM_HINT_T0);
-      } else if (pf != nullptr) {
-        _mm_prefetch(pf + (ahead - nbytes), _MM_HINT_T0);
-      }
+      prefetch_ahead(bytes, nbytes, i * static_cast<int64_t>(sizeof(scalar_t)) + kAhead, pf);
       step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), r0, r1);
       if (n - i >= 2 * kStep) {
         step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kStep)), r2, r3);
