@@ -17,7 +17,7 @@ that step). Time
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
-    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--smoke] [--variants capture,...]
+    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--batch N] [--smoke] [--variants capture,...]
 """
 from __future__ import annotations
 
@@ -38,15 +38,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 # -- models --------------------------------------------------------------------------------------
-def gpt2(smoke: bool):
+def gpt2(smoke: bool, batch: int | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     if smoke:
         config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-        batch, seq = 2, 8
+        default, seq = 2, 8
     else:  # GPT-2 small's shape (124M parameters), random weights, no download
         config = GPT2Config()
-        batch, seq = 1, 64
+        default, seq = 1, 64
+    batch = batch or default
     model = GPT2LMHeadModel(config)
     model.train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -94,9 +95,10 @@ class ResNet18Style(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def resnet(smoke: bool):
+def resnet(smoke: bool, batch: int | None = None):
     torch.manual_seed(0)
-    width, batch = (4, 2) if smoke else (32, 16)
+    width, default = (4, 2) if smoke else (32, 16)
+    batch = batch or default
     model = ResNet18Style(width)
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1))
@@ -441,12 +443,15 @@ def main(argv=None) -> int:
                              "monitor_trace; default: all")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, steadier than 2)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size (default: 1 sequence of 64 tokens for GPT-2, 16 images for "
+                             "the CNN); the issue asks for steps of 0.2-1 s")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, gradfuse backend "
           f"{gradfuse.backend('cpu')}")
     for name in args.models.split(","):
-        label, model, loss_fn = MODELS[name](args.smoke)
+        label, model, loss_fn = MODELS[name](args.smoke, args.batch)
         only = [v for v in args.variants.split(",") if v]
         unknown = set(only) - set(BASELINE)
         if unknown:

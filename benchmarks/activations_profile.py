@@ -211,11 +211,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="resnet")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--batch", type=int, default=None, help="as in activations_bench.py")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 CPU thread, gradfuse backend {gradfuse.backend('cpu')}")
     for name in args.models.split(","):
-        label, model, loss_fn = ab.MODELS[name](args.smoke)
+        label, model, loss_fn = ab.MODELS[name](args.smoke, args.batch)
         print(profile(label, model, loss_fn, args.rounds) + "\n", flush=True)
     return 0
 

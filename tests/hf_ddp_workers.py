@@ -50,7 +50,15 @@ def worker(rank, world, port, out_dir):
     trainer = Trainer(model=model, args=args, train_dataset=Rows(data),
                       optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)))
     cb = attach(trainer, noise_scale=True)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        # Without this, a rank could leave with gloo's threads still running: rank 0 once ended in
+        # "terminate called without an active exception" (SIGABRT) after a finished run.
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     ns = cb.monitor.noise_scale
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"values": ns.host_values(), "updates": ns.updates, "ddp": ns._ddp_group is not None,
