@@ -8,15 +8,16 @@
 //
 //  - 32 elements at a time are reduced to 32 bytes of exponent fields (a shift, an AND and
 //    unsigned-saturating packs: the fields are <= 255, and lane order does not matter for counts);
-//  - the eight "hot" fields are counted in byte counters by compare-and-subtract (vpcmpeqb,
-//    vpsubb), emptied into 64-bit totals (vpsadbw) every block of 64 vectors (< 255 per lane);
-//  - the OR of the eight compares shows the lanes holding another field; a vector with one
-//    (rare) reads those elements again by lane index and increments their counters one by
-//    one (movemask, bit loop).
+//  - a window of eight consecutive "hot" fields [lo, lo + 8) is counted in byte counters: d =
+//    field - lo, then compare-and-subtract per k = 0..7 (vpcmpeqb, vpsubb), emptied into 64-bit
+//    totals (vpsadbw) every block of 64 vectors (< 255 per lane);
+//  - min(d, 7) == d (unsigned) marks the lanes in the window; the others' masks are stored and,
+//    after the block's loop, those elements (rare) are read again by lane index and counted one
+//    by one (movemask, bit loop), so the vector loop has no branch.
 //
-// The hot fields come from the previous chunk of the same worker (its whole histogram), or, for
+// The window comes from the previous chunk of the same worker (its whole histogram), or, for
 // a worker's first chunk and after a block where more than 1/16 of the lanes missed them, from a
-// sample: the next 256 elements counted by the scalar loop. When the eight fields cover less
+// sample: the next 256 elements counted by the scalar loop. When the window covers less
 // than 7/8 of a sample (exponents spread over many binades), the next 2048 elements go through a
 // scalar loop (four histograms in turn, as hist_cpu.cpp's) and another sample is taken after.
 // Pass 2 (only for chunks with a count in the lumped low / high row) is vectorized as well: zeros
@@ -39,6 +40,11 @@
 #include "../common/hist_math.h"
 
 #define GF_HIST_AVX2 __attribute__((target("avx2,bmi,bmi2,popcnt")))
+#if defined(__GNUC__) && !defined(__clang__)
+#define GF_SCHED_PRESSURE __attribute__((optimize("sched-pressure", "schedule-insns"), noinline))
+#else
+#define GF_SCHED_PRESSURE
+#endif
 #define GF_HIST_AVX2_INLINE __attribute__((target("avx2,bmi,bmi2,popcnt"), always_inline)) inline
 
 namespace gradfuse::cpu {
@@ -57,23 +63,23 @@ inline int field_of(const char* x, int64_t i) {
   return static_cast<int>((b >> L::kMantissaBits) & typename L::Bits(L::kMaxField));
 }
 
-// The kHot largest counts of cnt[0, nf): their fields into `field` (distinct), their sum returned.
+// The window of kHot consecutive fields [lo, lo + kHot) of cnt[0, nf) with the largest total:
+// its fields into `field` (lo, lo + 1, ...), that total returned. A window, not the kHot largest
+// counts anywhere: one subtraction and one unsigned minimum tell whether a lane is in it, where
+// eight ORs of the compares told whether it was among eight fields. Gradients' exponents
+// cluster (uniform: the fields just below 1; normal: around the scale; a constant: one field).
 template <int kHot>
-inline int64_t choose_hot(const int32_t* cnt, int nf, uint8_t* field) {
-  int32_t best[kHot];
-  int idx[kHot];
-  for (int k = 0; k < kHot; ++k) { best[k] = -1; idx[k] = k; }
-  for (int f = 0; f < nf; ++f) {
-    const int32_t c = cnt[f];
-    if (c <= best[kHot - 1]) continue;
-    int j = kHot - 1;
-    for (; j > 0 && best[j - 1] < c; --j) { best[j] = best[j - 1]; idx[j] = idx[j - 1]; }
-    best[j] = c;
-    idx[j] = f;
+inline int64_t choose_window(const int32_t* cnt, int nf, uint8_t* field) {
+  int64_t sum = 0;
+  for (int f = 0; f < kHot; ++f) sum += cnt[f];
+  int64_t best = sum;
+  int lo = 0;
+  for (int f = kHot; f < nf; ++f) {
+    sum += cnt[f] - cnt[f - kHot];
+    if (sum > best) { best = sum; lo = f - kHot + 1; }
   }
-  int64_t covered = 0;
-  for (int k = 0; k < kHot; ++k) { field[k] = static_cast<uint8_t>(idx[k]); covered += best[k]; }
-  return covered;
+  for (int k = 0; k < kHot; ++k) field[k] = static_cast<uint8_t>(lo + k);
+  return best;
 }
 
 // The element (0..31) whose field load_fields() puts into byte lane i: the packs interleave
@@ -125,41 +131,55 @@ GF_HIST_AVX2_INLINE int64_t hsum_epi64(__m256i v) {
   return _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1);
 }
 
-// Counts nvec (<= kBlockVecs) vectors of 32 elements from x: lanes holding a hot field into
-// tot[k] (64-bit lanes), the others into h. Returns how many lanes were not hot.
-template <typename L, int kHot>
-GF_HIST_AVX2 int64_t count_block(const char* x, int64_t nvec, const __m256i* hot, __m256i* tot,
-                                 int32_t* h) {
+// Counts nvec (<= kBlockVecs) vectors of 32 elements from x: lanes holding a field of the window
+// [lo, lo + 8) (lo: every byte of *lo) into tot[k] for field lo + k (64-bit lanes), the others
+// into h. Returns how many lanes were not in the window.
+// Register pressure decides the speed here (16 vector registers): the byte counters are eight
+// named variables, the constants memory operands, and the loop has no branch (each vector's
+// mask of lanes out of the window is stored, and those lanes are counted after the loop).
+// GCC 12's default schedule still stored all eight counters on every vector (about 1.3x the
+// time); register-pressure-aware scheduling (its own, GCC only; not inlined then) does not.
+template <typename L>
+GF_HIST_AVX2 GF_SCHED_PRESSURE int64_t count_block(const char* x, int64_t nvec, const __m256i* lo,
+                                                   __m256i* tot, int32_t* h) {
   constexpr int64_t kStride = kVec * static_cast<int64_t>(sizeof(typename L::Bits));
-  __m256i acc[kHot];
-#pragma GCC unroll 16
-  for (int k = 0; k < kHot; ++k) acc[k] = _mm256_setzero_si256();
-  int64_t missed = 0;
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  const __m256i last = _mm256_set1_epi8(7);
+  uint32_t out_lanes[kBlockVecs];  // per vector, its lanes out of the window
+  uint32_t any_out = 0;
   for (int64_t v = 0; v < nvec; ++v) {
-    const __m256i f = load_fields<L>(x + v * kStride);
-    __m256i e[kHot];
-#pragma GCC unroll 16
-    for (int k = 0; k < kHot; ++k) {
-      e[k] = _mm256_cmpeq_epi8(f, hot[k]);
-      acc[k] = _mm256_sub_epi8(acc[k], e[k]);
-    }
-#pragma GCC unroll 16
-    for (int w = 1; w < kHot; w *= 2) {
-#pragma GCC unroll 16
-      for (int k = 0; k + w < kHot; k += 2 * w) e[k] = _mm256_or_si256(e[k], e[k + w]);
-    }
-    const uint32_t out_lanes = ~static_cast<uint32_t>(_mm256_movemask_epi8(e[0]));
-    if (__builtin_expect(out_lanes != 0, 0)) {
-      // The element of each such lane, read again (from L1) by its index: reading the lane
-      // back from a store of f would stall on the store-to-load forwarding of a 32-byte store.
-      const char* xv = x + v * kStride;
-      missed += _mm_popcnt_u32(out_lanes);
-      for (uint32_t m = out_lanes; m != 0; m = _blsr_u32(m)) ++h[field_of<L>(xv, kLaneElem<L>.at[_tzcnt_u32(m)])];
-    }
+    const __m256i d = _mm256_sub_epi8(load_fields<L>(x + v * kStride), *lo);  // field - lo, mod 256
+#define GF_COUNT_HOT(k) a##k = _mm256_sub_epi8(a##k, _mm256_cmpeq_epi8(d, _mm256_set1_epi8(k)));
+    GF_COUNT_HOT(0) GF_COUNT_HOT(1) GF_COUNT_HOT(2) GF_COUNT_HOT(3)
+    GF_COUNT_HOT(4) GF_COUNT_HOT(5) GF_COUNT_HOT(6) GF_COUNT_HOT(7)
+#undef GF_COUNT_HOT
+    const __m256i in_window = _mm256_cmpeq_epi8(_mm256_min_epu8(d, last), d);
+    const uint32_t m = ~static_cast<uint32_t>(_mm256_movemask_epi8(in_window));
+    out_lanes[v] = m;
+    any_out |= m;
   }
   const __m256i z = _mm256_setzero_si256();
-#pragma GCC unroll 16
-  for (int k = 0; k < kHot; ++k) tot[k] = _mm256_add_epi64(tot[k], _mm256_sad_epu8(acc[k], z));
+#define GF_EMPTY_COUNTER(k) tot[k] = _mm256_add_epi64(tot[k], _mm256_sad_epu8(a##k, z));
+  GF_EMPTY_COUNTER(0) GF_EMPTY_COUNTER(1) GF_EMPTY_COUNTER(2) GF_EMPTY_COUNTER(3)
+  GF_EMPTY_COUNTER(4) GF_EMPTY_COUNTER(5) GF_EMPTY_COUNTER(6) GF_EMPTY_COUNTER(7)
+#undef GF_EMPTY_COUNTER
+  int64_t missed = 0;
+  if (any_out == 0) return 0;
+  // The vectors with such lanes, listed without a branch: a branch per vector mispredicts when
+  // a fraction of them have one (normally distributed values: about a third).
+  uint8_t with_out[kBlockVecs];
+  int n_with = 0;
+  for (int v = 0; v < nvec; ++v) {
+    with_out[n_with] = static_cast<uint8_t>(v);
+    n_with += out_lanes[v] != 0;
+  }
+  for (int j = 0; j < n_with; ++j) {
+    // the element of each such lane, read again by its index
+    const int v = with_out[j];
+    const char* xv = x + v * kStride;
+    missed += _mm_popcnt_u32(out_lanes[v]);
+    for (uint32_t m = out_lanes[v]; m != 0; m = _blsr_u32(m)) ++h[field_of<L>(xv, kLaneElem<L>.at[_tzcnt_u32(m)])];
+  }
   return missed;
 }
 
@@ -241,8 +261,8 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
   uint8_t field[kHot];
   std::memcpy(field, carry->field, kHot);
   bool need_sample = !carry->valid;
-  __m256i hot[kHot], tot[kHot];
-  for (int k = 0; k < kHot; ++k) { hot[k] = _mm256_set1_epi8(static_cast<char>(field[k])); tot[k] = _mm256_setzero_si256(); }
+  __m256i lo = _mm256_set1_epi8(static_cast<char>(field[0])), tot[kHot];
+  for (int k = 0; k < kHot; ++k) tot[k] = _mm256_setzero_si256();
 
   int64_t pos = 0;
   while (n - pos >= kVec) {
@@ -257,8 +277,8 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
       const int64_t end = std::min<int64_t>(n, pos + kSample);
       for (int64_t i = pos; i < end; ++i) ++s[field_of<L>(x, i)];
       for (int f = 0; f < kFields; ++f) h[f] += s[f];
-      const int64_t covered = choose_hot<kHot>(s, kFields, field);
-      for (int k = 0; k < kHot; ++k) hot[k] = _mm256_set1_epi8(static_cast<char>(field[k]));
+      const int64_t covered = choose_window<kHot>(s, kFields, field);
+      lo = _mm256_set1_epi8(static_cast<char>(field[0]));
       if (covered * 8 < (end - pos) * 7) {  // spread over many fields: the scalar loop, then look again
         const int64_t run_end = std::min<int64_t>(n, end + kScalarRun);
         if (!h4_used) { std::memset(h4, 0, sizeof(h4)); h4_used = true; }
@@ -278,7 +298,7 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
       continue;
     }
     const int64_t nvec = std::min<int64_t>(kBlockVecs, (n - pos) / kVec);
-    const int64_t missed = count_block<L, kHot>(x + pos * kElemBytes, nvec, hot, tot, h);
+    const int64_t missed = count_block<L>(x + pos * kElemBytes, nvec, &lo, tot, h);
     pos += nvec * kVec;
     if (missed * 16 > nvec * kVec) need_sample = true;
   }
@@ -288,7 +308,7 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
     for (int f = 0; f < kFields; ++f) h[f] += h4[0][f] + h4[1][f] + h4[2][f] + h4[3][f];
   }
   carry->valid = true;  // the next chunk starts with this one's hottest fields
-  choose_hot<kHot>(h, kFields, carry->field);
+  choose_window<kHot>(h, kFields, carry->field);
 
   std::memset(out, 0, kNumHistBins * sizeof(int32_t));
   for (int f = 0; f < kFields; ++f) out[hot_row<L>(static_cast<typename L::Bits>(
@@ -298,8 +318,9 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
 
 }  // namespace
 
-// Eight hot fields: measured against 12 and 16 (session 5, single-thread CPU time, 8M
-// elements): 16 cost ~1.5x on uniform and constant values and was no faster on randn * 1e-3.
+// Eight hot fields (count_block's eight counters): 12 and 16, measured in session 5 as the
+// eight largest counts anywhere, cost ~1.5x on uniform and constant values and were no faster on
+// randn * 1e-3; a window of eight then replaced them (session 6: 1.5-2x faster on bf16).
 constexpr int kHot = 8;
 static_assert(kHot <= kMaxHot, "the carry holds the hot fields");
 template <typename L>

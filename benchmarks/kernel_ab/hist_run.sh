@@ -1,0 +1,21 @@
+#!/bin/bash
+# Usage: bash benchmarks/kernel_ab/hist_run.sh [OLD_REV] [ROUNDS] [cache]   (default OLD_REV: 7b6f01c,
+# the session-5 kernel). Builds hist_kernel_ab.cpp with csrc/cpu/hist_avx2.cpp of the working tree
+# and of OLD_REV (renamed namespaces) and runs it: single thread, no Python. Needs the venv's torch.
+set -euo pipefail
+cd "$(dirname "$0")"
+REV=${1:-7b6f01c}
+ROOT=$(git rev-parse --show-toplevel)
+PY=$ROOT/.venv/bin/python
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+INC=$($PY -c "import torch.utils.cpp_extension as c; print(' '.join('-I'+p for p in c.include_paths()))" 2>/dev/null)
+# The old file next to the current headers (csrc/cpu/ and csrc/common/ of the working tree).
+git show "$REV":csrc/cpu/hist_avx2.cpp > "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp"
+g++ -O3 -std=c++17 $INC -Dgradfuse=gf_old -c "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp" -o "$TMP/old.o"
+rm -f "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp"
+g++ -O3 -std=c++17 $INC -Dgradfuse=gf_new -c "$ROOT/csrc/cpu/hist_avx2.cpp" -o "$TMP/new.o"
+g++ -O3 -std=c++17 hist_kernel_ab.cpp "$TMP/old.o" "$TMP/new.o" -o "$TMP/ab"
+uptime
+"$TMP/ab" "${2:-15}" "${3:-}"
+uptime
