@@ -8,6 +8,7 @@
 #include "common/chunk_plan.h"
 #include "common/hist_math.h"
 #include "cpu/cpu_capability.h"
+#include "cpu/hist_kernels.h"
 #include "generated/build_config.h"  // written by setup.py
 
 
@@ -56,10 +57,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["chunk_elems"] = gradfuse::kChunkElems;
     d["histogram_bins"] = gradfuse::kNumHistBins;
     d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
+#ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
+    d["histogram_avx512"] = gradfuse::cpu::histogram_avx512_available();
+#else
+    d["histogram_avx512"] = false;
+#endif
     return d;
   });
   m.def("cpu_capability", [] { return gradfuse::cpu::active_cpu_capability(); },
         "The build of the CPU kernels in use: 'avx2' or 'default'.");
   m.def("set_cpu_capability", &gradfuse::cpu::set_cpu_capability,
         "Force the CPU kernels: 'default' or 'avx2'.");
+#ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
+  m.def("histogram_avx512", &gradfuse::cpu::histogram_avx512,
+        "Whether the AVX2 histogram kernels count with their AVX-512 loop.");
+  m.def("set_histogram_avx512", &gradfuse::cpu::set_histogram_avx512,
+        "Use (True, where build_info()['histogram_avx512']) or not the AVX-512 histogram loop.");
+#else
+  m.def("histogram_avx512", [] { return false; });
+  m.def("set_histogram_avx512", [](bool on) {
+    TORCH_CHECK(!on, "this build has no AVX-512 histogram loop");
+  });
+#endif
 }

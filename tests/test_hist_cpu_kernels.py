@@ -11,7 +11,13 @@ chunk in byte lanes (32 elements per vector, 64-vector blocks) and every other l
 it takes the hot fields from the worker's previous chunk or from a 256-element sample, samples
 again after a block where more than 1/16 of the lanes missed, and counts 2048 elements with the
 scalar loop when eight fields cover less than 7/8 of a sample. The tests below the line aim at
-each of those edges, under both capabilities (the default loop must give the same counts)."""
+each of those edges, under both capabilities (the default loop must give the same counts).
+
+Session 6: the hot fields are a window of eight consecutive fields, and where the CPU has
+AVX512BW, AVX512_BITALG and GFNI the AVX2 kernels count with an AVX-512 loop (64 elements per
+group, 31-group blocks of byte counters, out-of-window lanes by their stored field byte); the
+cpu_capability fixture here runs every test under that loop too ("avx512"), and the tests at the
+end aim at its group and block edges."""
 import math
 
 import pytest
@@ -25,6 +31,25 @@ op = torch.ops.gradfuse.multi_tensor_exponent_histogram
 PAIR_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = lambda d: str(d).replace("torch.", "")  # noqa: E731
 EDGE_SIZES = [1, 15, 16, 17, 31, 33, 255, 256, 257, 271, 4095, 4111, CHUNK - 17, CHUNK - 16, CHUNK + 15]
+
+
+@pytest.fixture(params=["avx512", "avx2", "default"])
+def cpu_capability(request):
+    """Every CPU histogram loop this machine can run: the AVX-512 counting loop of the AVX2
+    kernels, their AVX2 loop, the default build. (Shadows tests/conftest.py's fixture.)"""
+    if _ext._C is None:
+        pytest.skip("gradfuse._C not built")
+    info = _ext._C.build_info()
+    if request.param != "default" and info["best_cpu_capability"] != "avx2":
+        pytest.skip("no AVX2 on this CPU")
+    if request.param == "avx512" and not info["histogram_avx512"]:
+        pytest.skip("no AVX512BW + AVX512_BITALG + GFNI on this CPU")
+    before = _ext._C.cpu_capability(), _ext._C.histogram_avx512()
+    _ext._C.set_cpu_capability("default" if request.param == "default" else "avx2")
+    _ext._C.set_histogram_avx512(request.param == "avx512")
+    yield request.param
+    _ext._C.set_cpu_capability(before[0])
+    _ext._C.set_histogram_avx512(before[1])
 
 
 def check(tensors):
@@ -86,15 +111,19 @@ def test_builds_agree_across_threads(dtype):
     tensors = [uniform(dtype, n, seed=n) for n in (768, 2304 * 768, 3 * CHUNK + 7, 50, 0, CHUNK)]
     tensors[2][::1000] = 0.0
     before_isa, before_threads = ext._C.cpu_capability(), torch.get_num_threads()
+    before_wide = ext._C.histogram_avx512()
+    loops = [("default", False), ("avx2", False)] + [("avx2", True)] * ext._C.build_info()["histogram_avx512"]
     results = {}
     try:
-        for isa in ("default", "avx2"):
+        for isa, wide in loops:
             ext._C.set_cpu_capability(isa)
+            ext._C.set_histogram_avx512(wide)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                results[isa, threads] = op(tensors)
+                results[isa, wide, threads] = op(tensors)
     finally:
         ext._C.set_cpu_capability(before_isa)
+        ext._C.set_histogram_avx512(before_wide)
         torch.set_num_threads(before_threads)
     expect = expected_rows(tensors)
     for got in results.values():
@@ -212,3 +241,41 @@ def test_many_tensors_of_mixed_distributions(dtype, cpu_capability):
         tensors.append(t)
     got = check(tensors)
     assert got.sum() > 100000 and (got.sum(0) > 0).sum() > 30
+
+
+# ---- session 6: the AVX-512 counting loop ------------------------------------------------------
+GROUP, GROUPS = 64, 31  # elements per AVX-512 step, steps per block of byte counters
+
+
+def test_avx512_loop_is_the_default_where_the_cpu_has_it():
+    info = _ext._C.build_info()
+    if not info["histogram_avx512"]:
+        with pytest.raises(RuntimeError, match="AVX512BW"):
+            _ext._C.set_histogram_avx512(True)
+        assert not _ext._C.histogram_avx512()
+        return
+    import os
+    assert _ext._C.histogram_avx512() == (os.environ.get("GRADFUSE_HISTOGRAM_AVX512") != "0")
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_a_missing_lane_at_every_position_of_a_group(dtype, cpu_capability):
+    # One out-of-window element per 64-element group, at lane position g % 64, over three blocks of
+    # 31 groups; the field bytes the loop stores for such lanes must be the element's field.
+    n = SAMPLE + 3 * GROUPS * GROUP
+    x = binade_values(dtype, [0, -1, -2, -3, -4, -5, -6, -7], n, seed=13)
+    far = binade_values(dtype, [8, 9, 10, -9, -10], 3 * GROUPS, seed=14)
+    for g in range(3 * GROUPS):
+        x[SAMPLE + g * GROUP + g % GROUP] = far[g]
+    got = check([x, x[7:], x[: n - 33]])
+    assert got[0, [8 + 151, 9 + 151, 10 + 151, -9 + 151, -10 + 151]].sum() == 3 * GROUPS
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
+def test_byte_counters_full_at_block_ends(dtype, cpu_capability):
+    # One field in every lane: each byte counter reaches 8 per group, 248 at the end of a
+    # 31-group block (a block of 32 would wrap past 255); sizes at block and group edges.
+    sizes = [SAMPLE + GROUPS * GROUP * k + r for k in (1, 2, 33) for r in (-1, 0, 1, GROUP - 1, GROUP)]
+    tensors = [torch.full((n,), -0.375, dtype=dtype) for n in sizes]
+    got = check(tensors)
+    assert got[:, -2 + 151].tolist() == sizes

@@ -1,8 +1,9 @@
 // Single-thread A/B of the AVX2 exponent-histogram chunk kernel (issue 19): the working tree's
 // csrc/cpu/hist_avx2.cpp (namespace gf_new) against the same file of an older commit (gf_old),
 // both compiled by hist_run.sh. Per value distribution, 8M elements (32 MB fp32 / 16 MB bf16)
-// counted chunk by chunk as hist_cpu.cpp does, old, new and a read of the same bytes (a plain
-// 4-accumulator AVX2 sum) interleaved; medians of CPU time; the counts of old and new must agree.
+// counted chunk by chunk as hist_cpu.cpp does, old, new (with its AVX-512 loop where the CPU has
+// one, and again with its AVX2 loop) and a read of the same bytes (a plain 4-accumulator AVX2
+// sum) interleaved; medians of CPU time; the counts of old and new must agree.
 // "cache": 256K elements, reread 32 times (the in-cache compute rate).
 #include <immintrin.h>
 #include <time.h>
@@ -24,6 +25,10 @@
   }
 DECLARE(gf_old)
 DECLARE(gf_new)
+namespace gf_new::cpu {
+bool histogram_avx512_available();
+void set_histogram_avx512(bool on);
+}
 
 constexpr int64_t kChunk = 65536;  // common/chunk_plan.h kChunkElems
 constexpr int kBins = 283;         // common/hist_math.h kNumHistBins
@@ -98,26 +103,28 @@ int main(int argc, char** argv) {
     for (int dt = 0; dt < 2; ++dt) {
       const int esz = dt == 0 ? 4 : 2;
       const char* x = dt == 0 ? reinterpret_cast<const char*>(f.data()) : reinterpret_cast<const char*>(bf.data());
-      std::vector<double> t_old, t_new, t_read;
-      std::vector<int64_t> c_old, c_new;
+      std::vector<double> t_old, t_new, t_new2, t_read;
+      std::vector<int64_t> c_old, c_new, c_new2;
+      const bool wide = gf_new::cpu::histogram_avx512_available();
       for (int r = 0; r < reps; ++r) {
-        if (dt == 0) {
-          t_old.push_back(histogram<gf_old::cpu::HistHotFields>(gf_old::cpu::histogram_chunk_avx2_fp32, x, n, esz, c_old));
-          t_new.push_back(histogram<gf_new::cpu::HistHotFields>(gf_new::cpu::histogram_chunk_avx2_fp32, x, n, esz, c_new));
-        } else {
-          t_old.push_back(histogram<gf_old::cpu::HistHotFields>(gf_old::cpu::histogram_chunk_avx2_bf16, x, n, esz, c_old));
-          t_new.push_back(histogram<gf_new::cpu::HistHotFields>(gf_new::cpu::histogram_chunk_avx2_bf16, x, n, esz, c_new));
-        }
+        auto fo = dt == 0 ? gf_old::cpu::histogram_chunk_avx2_fp32 : gf_old::cpu::histogram_chunk_avx2_bf16;
+        auto fn = dt == 0 ? gf_new::cpu::histogram_chunk_avx2_fp32 : gf_new::cpu::histogram_chunk_avx2_bf16;
+        t_old.push_back(histogram<gf_old::cpu::HistHotFields>(fo, x, n, esz, c_old));
+        gf_new::cpu::set_histogram_avx512(wide);
+        t_new.push_back(histogram<gf_new::cpu::HistHotFields>(fn, x, n, esz, c_new));
+        gf_new::cpu::set_histogram_avx512(false);
+        t_new2.push_back(histogram<gf_new::cpu::HistHotFields>(fn, x, n, esz, c_new2));
         t_read.push_back(read_sum(x, n * esz));
-        if (c_old != c_new) {
+        if (c_old != c_new || c_old != c_new2) {
           std::printf("counts differ: %s %s\n", names[d], dt == 0 ? "fp32" : "bf16");
           return 1;
         }
       }
       const double gb = n * esz / 1e9;
-      std::printf("%-20s %s  old %6.2f  new %6.2f  new/old speed %.2fx  read %6.2f  new %3.0f%% of read\n",
+      std::printf("%-20s %s  old %6.2f  new %6.2f (%s)  new/old %.2fx  new, AVX2 loop %6.2f  read %6.2f  new %3.0f%% of read\n",
                   names[d], dt == 0 ? "fp32" : "bf16", gb / median(t_old), gb / median(t_new),
-                  median(t_old) / median(t_new), gb / median(t_read), 100 * median(t_read) / median(t_new));
+                  wide ? "AVX-512 loop" : "AVX2 loop", median(t_old) / median(t_new), gb / median(t_new2),
+                  gb / median(t_read), 100 * median(t_read) / median(t_new));
     }
   }
   return g_sink == 42.0;

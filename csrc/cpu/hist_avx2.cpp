@@ -32,9 +32,13 @@
 
 #include <immintrin.h>
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "../common/chunk_plan.h"
 #include "../common/hist_math.h"
@@ -44,6 +48,13 @@
 #define GF_SCHED_PRESSURE __attribute__((optimize("sched-pressure", "schedule-insns"), noinline))
 #else
 #define GF_SCHED_PRESSURE
+#endif
+// AVX-512 (BW for bytes and masks, BITALG for vpopcntb, GFNI for the bit transpose) where the
+// compiler can emit it; chosen at run time (histogram_avx512_available()).
+#if defined(__GNUC__) && (__GNUC__ >= 9 || defined(__clang__))
+#define GF_HIST_HAVE_AVX512 1
+#define GF_HIST_AVX512 __attribute__((target("avx512f,avx512bw,avx512bitalg,gfni,avx2,bmi,bmi2,popcnt")))
+#define GF_HIST_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512bitalg,gfni,avx2,bmi,bmi2,popcnt"), always_inline)) inline
 #endif
 #define GF_HIST_AVX2_INLINE __attribute__((target("avx2,bmi,bmi2,popcnt"), always_inline)) inline
 
@@ -132,23 +143,24 @@ GF_HIST_AVX2_INLINE int64_t hsum_epi64(__m256i v) {
 }
 
 // Counts nvec (<= kBlockVecs) vectors of 32 elements from x: lanes holding a field of the window
-// [lo, lo + 8) (lo: every byte of *lo) into tot[k] for field lo + k (64-bit lanes), the others
-// into h. Returns how many lanes were not in the window.
+// [lo, lo + 8) into tot[k] for field lo + k, the others into h. Returns how many lanes were not
+// in the window.
 // Register pressure decides the speed here (16 vector registers): the byte counters are eight
 // named variables, the constants memory operands, and the loop has no branch (each vector's
 // mask of lanes out of the window is stored, and those lanes are counted after the loop).
 // GCC 12's default schedule still stored all eight counters on every vector (about 1.3x the
 // time); register-pressure-aware scheduling (its own, GCC only; not inlined then) does not.
 template <typename L>
-GF_HIST_AVX2 GF_SCHED_PRESSURE int64_t count_block(const char* x, int64_t nvec, const __m256i* lo,
-                                                   __m256i* tot, int32_t* h) {
+GF_HIST_AVX2 GF_SCHED_PRESSURE int64_t count_block(const char* x, int64_t nvec, uint8_t lo_field,
+                                                   int64_t* tot, int32_t* h) {
   constexpr int64_t kStride = kVec * static_cast<int64_t>(sizeof(typename L::Bits));
+  const __m256i lo = _mm256_set1_epi8(static_cast<char>(lo_field));
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   const __m256i last = _mm256_set1_epi8(7);
   uint32_t out_lanes[kBlockVecs];  // per vector, its lanes out of the window
   uint32_t any_out = 0;
   for (int64_t v = 0; v < nvec; ++v) {
-    const __m256i d = _mm256_sub_epi8(load_fields<L>(x + v * kStride), *lo);  // field - lo, mod 256
+    const __m256i d = _mm256_sub_epi8(load_fields<L>(x + v * kStride), lo);  // field - lo, mod 256
 #define GF_COUNT_HOT(k) a##k = _mm256_sub_epi8(a##k, _mm256_cmpeq_epi8(d, _mm256_set1_epi8(k)));
     GF_COUNT_HOT(0) GF_COUNT_HOT(1) GF_COUNT_HOT(2) GF_COUNT_HOT(3)
     GF_COUNT_HOT(4) GF_COUNT_HOT(5) GF_COUNT_HOT(6) GF_COUNT_HOT(7)
@@ -159,7 +171,7 @@ GF_HIST_AVX2 GF_SCHED_PRESSURE int64_t count_block(const char* x, int64_t nvec, 
     any_out |= m;
   }
   const __m256i z = _mm256_setzero_si256();
-#define GF_EMPTY_COUNTER(k) tot[k] = _mm256_add_epi64(tot[k], _mm256_sad_epu8(a##k, z));
+#define GF_EMPTY_COUNTER(k) tot[k] += hsum_epi64(_mm256_sad_epu8(a##k, z));
   GF_EMPTY_COUNTER(0) GF_EMPTY_COUNTER(1) GF_EMPTY_COUNTER(2) GF_EMPTY_COUNTER(3)
   GF_EMPTY_COUNTER(4) GF_EMPTY_COUNTER(5) GF_EMPTY_COUNTER(6) GF_EMPTY_COUNTER(7)
 #undef GF_EMPTY_COUNTER
@@ -182,6 +194,93 @@ GF_HIST_AVX2 GF_SCHED_PRESSURE int64_t count_block(const char* x, int64_t nvec, 
   }
   return missed;
 }
+
+#ifdef GF_HIST_HAVE_AVX512
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_epi32() (a self-initialised variable),
+// which -Wall reports as used uninitialized at every use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// 64 elements from p as 64 bytes of exponent fields, in some lane order (only counted, and the
+// fields of lanes out of the window stored and counted one by one: the order never matters).
+template <typename L>
+GF_HIST_AVX512_INLINE __m512i load_fields512(const char* p) {
+  const auto* v = reinterpret_cast<const __m512i*>(p);
+  const __m512i m = _mm512_set1_epi16(L::kMaxField);
+  if constexpr (sizeof(typename L::Bits) == 4) {
+    const __m512i a0 = _mm512_srli_epi32(_mm512_loadu_si512(v + 0), L::kMantissaBits);
+    const __m512i a1 = _mm512_srli_epi32(_mm512_loadu_si512(v + 1), L::kMantissaBits);
+    const __m512i a2 = _mm512_srli_epi32(_mm512_loadu_si512(v + 2), L::kMantissaBits);
+    const __m512i a3 = _mm512_srli_epi32(_mm512_loadu_si512(v + 3), L::kMantissaBits);
+    return _mm512_packus_epi16(_mm512_and_si512(_mm512_packus_epi32(a0, a1), m),
+                               _mm512_and_si512(_mm512_packus_epi32(a2, a3), m));
+  } else {
+    const __m512i a0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(v + 0), L::kMantissaBits), m);
+    const __m512i a1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(v + 1), L::kMantissaBits), m);
+    return _mm512_packus_epi16(a0, a1);
+  }
+}
+
+// count_block with AVX-512 (BW, BITALG, GFNI): ngroups (<= kBlockGroups) groups of 64 elements.
+// Per group, d = field - lo; the lanes with d < 8 get the byte 1 << d (a vpshufb table), the
+// others 0; an affine transform over GF(2) with the matrix of the eight bytes of each 64-bit
+// lane (vgf2p8affineqb) transposes those bytes' bits, so that byte k of a 64-bit lane holds bit
+// k of each of its eight bytes, and vpopcntb turns that into how many of the eight hold field
+// lo + k. Six vector instructions (subtract, min, vpshufb, vgf2p8affineqb, vpopcntb, add) count
+// 64 elements, where count_block takes 17 (its subtract, 8 compares, 8 subtracts) for 32. The
+// byte counters (at most 8 per group) are emptied every kBlockGroups groups. Lanes out of the
+// window: the group's fields and mask are stored, and counted after the loop as in count_block.
+constexpr int kBlockGroups = 31;  // 31 * 8 = 248 < 256
+template <typename L>
+GF_HIST_AVX512 int64_t count_block512(const char* x, int64_t ngroups, uint8_t lo_field, int64_t* tot,
+                                      int32_t* h) {
+  constexpr int64_t kStride = 64 * static_cast<int64_t>(sizeof(typename L::Bits));
+  const __m512i lo = _mm512_set1_epi8(static_cast<char>(lo_field));
+  const __m512i eight = _mm512_set1_epi8(8);
+  const __m512i one_hot = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m512i bit_k = _mm512_set1_epi64(static_cast<int64_t>(0x8040201008040201ULL));  // byte k: 1 << k
+  __m512i acc = _mm512_setzero_si512();
+  alignas(64) uint8_t fields[kBlockGroups][64];
+  uint64_t out_lanes[kBlockGroups];
+  uint64_t any_out = 0;
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const __m512i f = load_fields512<L>(x + g * kStride);
+    const __m512i d = _mm512_sub_epi8(f, lo);
+    const __m512i bits = _mm512_shuffle_epi8(one_hot, _mm512_min_epu8(d, eight));
+    // result byte k of each 64-bit lane, bit i: parity(bits.byte[7 - i] & (1 << k))
+    const __m512i by_field = _mm512_gf2p8affine_epi64_epi8(bit_k, bits, 0);
+    acc = _mm512_add_epi8(acc, _mm512_popcnt_epi8(by_field));
+    const uint64_t m = ~static_cast<uint64_t>(_mm512_cmplt_epu8_mask(d, eight));
+    out_lanes[g] = m;
+    any_out |= m;
+    _mm512_store_si512(fields[g], f);
+  }
+  // byte 8q + k of acc counts field lo + k: widened to 16 bits and halved three times (sums of
+  // at most 8 * 248), the eight words are the counts of the block
+  const __m512i w = _mm512_add_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(acc)),
+                                     _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(acc, 1)));
+  const __m256i w2 = _mm256_add_epi16(_mm512_castsi512_si256(w), _mm512_extracti64x4_epi64(w, 1));
+  alignas(16) uint16_t c[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(c),
+                  _mm_add_epi16(_mm256_castsi256_si128(w2), _mm256_extracti128_si256(w2, 1)));
+  for (int k = 0; k < 8; ++k) tot[k] += c[k];
+  if (any_out == 0) return 0;
+  uint8_t with_out[kBlockGroups];  // listed without a branch, as in count_block
+  int n_with = 0;
+  for (int g = 0; g < ngroups; ++g) {
+    with_out[n_with] = static_cast<uint8_t>(g);
+    n_with += out_lanes[g] != 0;
+  }
+  int64_t missed = 0;
+  for (int j = 0; j < n_with; ++j) {
+    const int g = with_out[j];
+    missed += _mm_popcnt_u64(out_lanes[g]);
+    for (uint64_t m = out_lanes[g]; m != 0; m = _blsr_u64(m)) ++h[fields[g][_tzcnt_u64(m)]];
+  }
+  return missed;
+}
+#pragma GCC diagnostic pop
+#endif  // GF_HIST_HAVE_AVX512
 
 // Pass 2 (common/hist_math.h), for a chunk with a count in the lumped low or high row: zeros
 // counted in vector lanes and moved to kBinZero at the end; subnormals, Inf, NaN (and nothing
@@ -250,8 +349,10 @@ GF_HIST_AVX2 void exact_pass(const char* x, int64_t n, int32_t* out) {
   }
 }
 
-template <typename L, int kHot>
+// kWide: AVX-512 groups of 64 (count_block512), else AVX2 vectors of 32 (count_block).
+template <typename L, int kHot, bool kWide>
 GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHotFields* carry) {
+  constexpr int64_t kStep = kWide ? 64 : kVec;  // elements per vector
   constexpr int kFields = L::kMaxField + 1;
   constexpr int64_t kElemBytes = sizeof(typename L::Bits);
   alignas(64) int32_t h[kFields];   // counts per exponent field
@@ -261,16 +362,15 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
   uint8_t field[kHot];
   std::memcpy(field, carry->field, kHot);
   bool need_sample = !carry->valid;
-  __m256i lo = _mm256_set1_epi8(static_cast<char>(field[0])), tot[kHot];
-  for (int k = 0; k < kHot; ++k) tot[k] = _mm256_setzero_si256();
+  int64_t tot[kHot] = {};  // counts of the window's fields field[k]
 
   int64_t pos = 0;
-  while (n - pos >= kVec) {
+  while (n - pos >= kStep) {
     if (need_sample) {
       need_sample = false;
       for (int k = 0; k < kHot; ++k) {  // the totals belong to the fields they were counted for
-        h[field[k]] += static_cast<int32_t>(hsum_epi64(tot[k]));
-        tot[k] = _mm256_setzero_si256();
+        h[field[k]] += static_cast<int32_t>(tot[k]);
+        tot[k] = 0;
       }
       int32_t s[kFields];
       std::memset(s, 0, sizeof(s));
@@ -278,7 +378,6 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
       for (int64_t i = pos; i < end; ++i) ++s[field_of<L>(x, i)];
       for (int f = 0; f < kFields; ++f) h[f] += s[f];
       const int64_t covered = choose_window<kHot>(s, kFields, field);
-      lo = _mm256_set1_epi8(static_cast<char>(field[0]));
       if (covered * 8 < (end - pos) * 7) {  // spread over many fields: the scalar loop, then look again
         const int64_t run_end = std::min<int64_t>(n, end + kScalarRun);
         if (!h4_used) { std::memset(h4, 0, sizeof(h4)); h4_used = true; }
@@ -297,13 +396,21 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
       }
       continue;
     }
-    const int64_t nvec = std::min<int64_t>(kBlockVecs, (n - pos) / kVec);
-    const int64_t missed = count_block<L>(x + pos * kElemBytes, nvec, &lo, tot, h);
-    pos += nvec * kVec;
-    if (missed * 16 > nvec * kVec) need_sample = true;
+    int64_t nvec, missed;
+    if constexpr (kWide) {
+#ifdef GF_HIST_HAVE_AVX512
+      nvec = std::min<int64_t>(kBlockGroups, (n - pos) / kStep);
+      missed = count_block512<L>(x + pos * kElemBytes, nvec, field[0], tot, h);
+#endif
+    } else {
+      nvec = std::min<int64_t>(kBlockVecs, (n - pos) / kStep);
+      missed = count_block<L>(x + pos * kElemBytes, nvec, field[0], tot, h);
+    }
+    pos += nvec * kStep;
+    if (missed * 16 > nvec * kStep) need_sample = true;
   }
   for (; pos < n; ++pos) ++h[field_of<L>(x, pos)];
-  for (int k = 0; k < kHot; ++k) h[field[k]] += static_cast<int32_t>(hsum_epi64(tot[k]));
+  for (int k = 0; k < kHot; ++k) h[field[k]] += static_cast<int32_t>(tot[k]);
   if (h4_used) {
     for (int f = 0; f < kFields; ++f) h[f] += h4[0][f] + h4[1][f] + h4[2][f] + h4[3][f];
   }
@@ -316,17 +423,45 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
   if (out[L::kLowRow] != 0 || out[L::kHighRow] != 0) exact_pass<L>(x, n, out);
 }
 
-}  // namespace
-
 // Eight hot fields (count_block's eight counters): 12 and 16, measured in session 5 as the
 // eight largest counts anywhere, cost ~1.5x on uniform and constant values and were no faster on
 // randn * 1e-3; a window of eight then replaced them (session 6: 1.5-2x faster on bf16).
 constexpr int kHot = 8;
 static_assert(kHot <= kMaxHot, "the carry holds the hot fields");
+
+bool& avx512_slot() {
+  static bool on = [] {
+    const char* env = std::getenv("GRADFUSE_HISTOGRAM_AVX512");  // "0": the AVX2 loop
+    return histogram_avx512_available() && !(env != nullptr && std::string(env) == "0");
+  }();
+  return on;
+}
+
 template <typename L>
 void dispatch(const char* x, int64_t n, int32_t* out, HistHotFields* hot) {
-  histogram_chunk<L, kHot>(x, n, out, hot);
+#ifdef GF_HIST_HAVE_AVX512
+  if (avx512_slot()) return histogram_chunk<L, kHot, true>(x, n, out, hot);
+#endif
+  histogram_chunk<L, kHot, false>(x, n, out, hot);
 }
+
+}  // namespace
+
+bool histogram_avx512_available() {
+#ifdef GF_HIST_HAVE_AVX512
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("gfni");
+#else
+  return false;
+#endif
+}
+bool histogram_avx512() { return avx512_slot(); }
+void set_histogram_avx512(bool on) {
+  TORCH_CHECK(!on || histogram_avx512_available(),
+              "the AVX-512 histogram loop needs AVX512BW, AVX512_BITALG and GFNI, which this CPU or build lacks");
+  avx512_slot() = on;
+}
+
 void histogram_chunk_avx2_fp32(const char* x, int64_t n, int32_t* out, HistHotFields* hot) {
   dispatch<Fp32Layout>(x, n, out, hot);
 }

@@ -21,6 +21,12 @@ struct HistHotFields {
 void histogram_chunk_avx2_fp32(const char* x, int64_t n, int32_t* out, HistHotFields* hot);
 void histogram_chunk_avx2_bf16(const char* x, int64_t n, int32_t* out, HistHotFields* hot);
 void histogram_chunk_avx2_fp16(const char* x, int64_t n, int32_t* out, HistHotFields* hot);
+// Their counting loop with AVX-512 (64 elements per step) where the CPU has AVX512BW,
+// AVX512_BITALG and GFNI (histogram_avx512_available()); on by default there, off with
+// GRADFUSE_HISTOGRAM_AVX512=0 (read once) or set_histogram_avx512(false), so the tests run both.
+bool histogram_avx512_available();
+bool histogram_avx512();
+void set_histogram_avx512(bool on);
 #endif
 
 }  // namespace gradfuse::cpu
