@@ -1,7 +1,9 @@
 """Exponent histogram on the CPU (issue 19): the fused histogram pass over GPT-2-small-shaped
 gradient sets against the machine's read bandwidth on the same bytes (memory_read: a float32 sum,
 as benchmarks/methods.py) and the fused statistics pass, every call interleaved with the others
-in one process; medians, GB/s of gradient bytes and the ratio to memory_read.
+in one process; medians, GB/s of gradient bytes and the ratio to memory_read. Where the CPU has
+AVX512BW, AVX512_BITALG and GFNI, the AVX2 kernels count with their AVX-512 loop by default, and
+their AVX2 loop is timed as well.
 
     python benchmarks/hist_bench.py [--rounds 11] [--dtypes float32,bfloat16] [--small]
     python benchmarks/hist_bench.py --distributions [--rounds 7] [--threads 1]
@@ -48,12 +50,31 @@ def with_capability(isa, fn):
     return run
 
 
+def has_avx512_loop() -> bool:
+    return bool(_ext._C.build_info().get("histogram_avx512")) and _ext._C.histogram_avx512()
+
+
+def with_avx2_loop(fn):
+    """fn run with the AVX2 kernels' AVX2 counting loop instead of their AVX-512 one."""
+    def run():
+        _ext._C.set_histogram_avx512(False)
+        try:
+            return fn()
+        finally:
+            _ext._C.set_histogram_avx512(True)
+    return run
+
+
 def calls(named) -> dict:
     grads = [p.grad for _, p in named]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     src = torch.ones(nbytes // 4, dtype=torch.float32)
+    wide = has_avx512_loop()
     return nbytes, {
-        "histogram (multi_tensor_exponent_histogram)": lambda: H.multi_tensor_exponent_histogram(grads),
+        f"histogram (multi_tensor_exponent_histogram{', AVX-512 loop' if wide else ''})":
+            lambda: H.multi_tensor_exponent_histogram(grads),
+        **({"histogram, AVX2 loop": with_avx2_loop(lambda: H.multi_tensor_exponent_histogram(grads))}
+           if wide else {}),
         **({"histogram, default loop": with_capability(
             "default", lambda: H.multi_tensor_exponent_histogram(grads))} if has_avx2() else {}),
         "stats (multi_tensor_stats)": lambda: gradfuse.ops.multi_tensor_stats(grads, 2.0),
