@@ -9,7 +9,7 @@
   accumulated micro-batches per step), what the demo writes as runs/demo/gradflow_exponents.png
   and runs/demo/gradflow_noise_scale.png.
 - docs/benchmarks.png: median time relative to torch.nn.utils.clip_grad_norm_(foreach=True) on
-  CPU, float32, from the section "CPU, 2026-12-03, session 4" of benchmarks/RESULTS.md (its command is there;
+  CPU, float32, from the section "CPU, 2026-12-03, session 6" of benchmarks/RESULTS.md (its command is there;
   re-running it rewrites that file, then this script redraws the chart from it).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def demo_pictures(gradflow_path: str, exponents_path: str, noise_scale_path: str
         plt.close(fig)
 
 
-def results_tables(md_path: str, section: str = "## CPU, 2026-12-03, session 4: float32 chart run") -> dict:
+def results_tables(md_path: str, section: str = "## CPU, 2026-12-03, session 6: whole benchmark on main") -> dict:
     """{(workload, dtype): {method: median_ms}} from the tables of one section of RESULTS.md
     (up to its next heading)."""
     text = open(md_path, encoding="utf-8").read()
