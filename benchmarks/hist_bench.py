@@ -38,16 +38,21 @@ def has_avx2() -> bool:
     return _ext._C.build_info()["best_cpu_capability"] == "avx2"
 
 
-def with_capability(isa, fn):
-    """fn run under CPU capability `isa` (the histogram's loop follows it), then the previous one."""
+def with_setting(get, set_, value, fn):
+    """fn run with an extension setting at `value`, then the setting as it was."""
     def run():
-        before = _ext._C.cpu_capability()
-        _ext._C.set_cpu_capability(isa)
+        before = get()
+        set_(value)
         try:
             return fn()
         finally:
-            _ext._C.set_cpu_capability(before)
+            set_(before)
     return run
+
+
+def with_capability(isa, fn):
+    """fn run under CPU capability `isa` (the histogram's loop follows it)."""
+    return with_setting(_ext._C.cpu_capability, _ext._C.set_cpu_capability, isa, fn)
 
 
 def has_avx512_loop() -> bool:
@@ -56,13 +61,7 @@ def has_avx512_loop() -> bool:
 
 def with_avx2_loop(fn):
     """fn run with the AVX2 kernels' AVX2 counting loop instead of their AVX-512 one."""
-    def run():
-        _ext._C.set_histogram_avx512(False)
-        try:
-            return fn()
-        finally:
-            _ext._C.set_histogram_avx512(True)
-    return run
+    return with_setting(_ext._C.histogram_avx512, _ext._C.set_histogram_avx512, False, fn)
 
 
 def calls(named) -> dict:
