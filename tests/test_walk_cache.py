@@ -237,7 +237,10 @@ def test_bad_gradient_after_a_plan_raises_naming_the_parameter():
     p6 = n1[6][1]
     if hasattr(p6, "grad_dtype"):
         p6.grad_dtype = None
-    p6.grad = torch.ones(300, dtype=torch.int32)
+        p6.grad = torch.ones(300, dtype=torch.int32)
+    else:  # a torch without grad_dtype refuses a gradient of another dtype; `.data` swaps it in
+        p6.grad.data = torch.ones(300, dtype=torch.int32)
+    assert p6.grad.dtype == torch.int32
     with pytest.raises(api.GradientTypeError, match="'p6'.*torch.int32"):
         gradfuse.stats(n1)
     with pytest.raises(api.GradientTypeError, match="'p6'"):
