@@ -1,5 +1,6 @@
 """Tolerances and comparisons against the float64 reference."""
 import torch
+from torch import nn
 
 from gradfuse import reference
 
@@ -58,3 +59,20 @@ def assert_same_stats(a, b):
     if a.clip_coef is not None:
         torch.testing.assert_close(a.clip_coef, b.clip_coef, rtol=0, atol=0, equal_nan=True)
         assert a.max_norm == b.max_norm
+
+
+def clone_named(named):
+    """Parameters and gradients copied with the same names, shapes, strides, dtypes and layouts
+    (a sparse gradient cloned; a gradient of another dtype kept, with grad_dtype=None)."""
+    out = []
+    for name, p in named:
+        q = nn.Parameter(p.detach().clone())
+        if p.grad is not None:
+            if p.grad.dtype != q.dtype:
+                q.grad_dtype = None
+            if p.grad.layout != torch.strided:
+                q.grad = p.grad.clone()
+            else:
+                q.grad = torch.empty_strided(p.grad.shape, p.grad.stride(), dtype=p.grad.dtype).copy_(p.grad)
+        out.append((name, q))
+    return out

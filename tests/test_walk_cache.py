@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
 from gradfuse import api, walk_cache
-from helpers import assert_same_stats
+from helpers import assert_same_stats, clone_named
 
 pytestmark = pytest.mark.skipif(walk_cache._walk_class() is None,
                                 reason="gradfuse._C not built (or built without ListWalk)")
@@ -25,21 +25,6 @@ def make_named(sizes, dtype=torch.float32, seed=0, prefix="p"):
         p = nn.Parameter(torch.zeros(n, dtype=dtype))
         p.grad = (torch.randn(n, generator=g) * 0.01).to(dtype)
         out.append((f"{prefix}{i}", p))
-    return out
-
-
-def clone_named(named):
-    out = []
-    for name, p in named:
-        q = nn.Parameter(p.detach().clone())
-        if p.grad is not None:
-            if p.grad.dtype != q.dtype:
-                q.grad_dtype = None
-            if p.grad.layout != torch.strided:
-                q.grad = p.grad.clone()
-            else:
-                q.grad = torch.empty_strided(p.grad.shape, p.grad.stride(), dtype=p.grad.dtype).copy_(p.grad)
-        out.append((name, q))
     return out
 
 

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
 from gradfuse import grad_watch as watch_mod
+from helpers import clone_named
 
 pytestmark = pytest.mark.skipif(watch_mod._param_watch_class() is None,
                                 reason="gradfuse._C not built (or built without ParamWatch)")
@@ -28,15 +29,6 @@ def params_with_grads(sizes, dtype, seed=0, transpose_at=()):
             p = nn.Parameter(torch.zeros(n, dtype=dtype))
             p.grad = (torch.randn(n, generator=g) * 0.01).to(dtype)  # fp16 totals stay finite
         out.append((f"p{i}", p))
-    return out
-
-
-def clone_named(named):
-    out = []
-    for name, p in named:
-        q = nn.Parameter(p.detach().clone())
-        q.grad = torch.empty_strided(p.grad.shape, p.grad.stride(), dtype=p.grad.dtype).copy_(p.grad)
-        out.append((name, q))
     return out
 
 

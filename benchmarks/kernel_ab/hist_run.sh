@@ -5,17 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 REV=${1:-7b6f01c}
-ROOT=$(git rev-parse --show-toplevel)
-PY=$ROOT/.venv/bin/python
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-INC=$($PY -c "import torch.utils.cpp_extension as c; print(' '.join('-I'+p for p in c.include_paths()))" 2>/dev/null)
+source ./common.sh
 # The old file next to the current headers (csrc/cpu/ and csrc/common/ of the working tree).
-git show "$REV":csrc/cpu/hist_avx2.cpp > "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp"
-nice g++ -O3 -std=c++17 $INC -Dgradfuse=gf_old -c "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp" -o "$TMP/old.o"
-rm -f "$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp"
+OLD_SRC=$ROOT/csrc/cpu/.hist_avx2_old_ab.cpp
+trap 'rm -rf "$TMP" "$OLD_SRC"' EXIT
+git show "$REV":csrc/cpu/hist_avx2.cpp > "$OLD_SRC"
+nice g++ -O3 -std=c++17 $INC -Dgradfuse=gf_old -c "$OLD_SRC" -o "$TMP/old.o"
+rm -f "$OLD_SRC"
 nice g++ -O3 -std=c++17 $INC -Dgradfuse=gf_new -c "$ROOT/csrc/cpu/hist_avx2.cpp" -o "$TMP/new.o"
-LIB=$($PY -c "import torch,os; print(os.path.join(os.path.dirname(torch.__file__),'lib'))")
 g++ -O3 -std=c++17 hist_kernel_ab.cpp "$TMP/old.o" "$TMP/new.o" -o "$TMP/ab" -L"$LIB" -lc10 -Wl,-rpath,"$LIB"
 uptime
 "$TMP/ab" "${2:-15}" "${3:-}"

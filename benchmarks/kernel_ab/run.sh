@@ -4,14 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 REV=${1:-0517da1}
-ROOT=$(git rev-parse --show-toplevel)
-PY=$ROOT/.venv/bin/python
-TMP=$(mktemp -d)
+source ./common.sh
 git show "$REV":csrc/cpu/kernels_impl.h | sed "s/namespace gradfuse::cpu::CPU_CAPABILITY {/namespace gradfuse::cpu::OLD { using namespace at::vec::CPU_CAPABILITY;/; s/#pragma once//; s#\"../common/chunk_plan.h\"#\"$ROOT/csrc/common/chunk_plan.h\"#; s#\"kernels.h\"#\"$ROOT/csrc/cpu/kernels.h\"#" > "$TMP/old_impl.h"
-INC=$($PY -c "import torch.utils.cpp_extension as c; print(' '.join('-I'+p for p in c.include_paths()))" 2>/dev/null)
-LIB=$($PY -c "import torch,os; print(os.path.join(os.path.dirname(torch.__file__),'lib'))")
 g++ -O3 -std=c++17 -fopenmp -Wno-psabi $INC -I"$TMP" stats_kernel_ab.cpp -o "$TMP/ab" -L"$LIB" -lc10 -ltorch_cpu -Wl,-rpath,"$LIB"
 uptime
 "$TMP/ab"
 uptime
-rm -rf "$TMP"
