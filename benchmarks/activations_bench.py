@@ -122,7 +122,7 @@ def _outputs(output):
 
 def item_stats(t: torch.Tensor, module: nn.Module) -> dict:
     """The classic hook body: every number read with .item() (a device sync each on a GPU)."""
-    dim = gradfuse.activations.unit_dim(module, t)
+    dim = gradfuse.activations.capture.unit_dim(module, t)
     alive = t.ne(0)
     if t.dim() > 1:
         alive = alive.any(dim=tuple(d for d in range(t.dim()) if d != dim))
@@ -203,7 +203,7 @@ class ReadFloor:
 def count_capture_bytes(model, loss_fn) -> dict:
     """What one capture step reads: the fused statistics (each distinct value once) and the
     per-unit dead-unit passes it could not skip (abs: read + write, sum: read)."""
-    acts = gradfuse.activations
+    acts = gradfuse.activations.capture
     real_op, real_activity = None, acts._unit_activity
     seen = {"stats": 0, "activity": 0, "activity_passes": 0}
 
@@ -252,7 +252,7 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
         with ReadFloor(model):
             loss_fn().backward()
 
-    acts = gradfuse.activations
+    acts = gradfuse.activations.capture
 
     def capture_no_dead_units():  # decomposition: the capture without its dead-unit passes
         real = acts._unit_activity

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import activations_bench as ab  # noqa: E402
 
 import gradfuse  # noqa: E402
-from gradfuse import activations as acts  # noqa: E402
+from gradfuse.activations import capture as acts  # noqa: E402
 
 clock = time.thread_time
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gradfuse import ops, workloads  # noqa: E402
+from gradfuse import ops
+from gradfuse.demo import workloads  # noqa: E402
 
 
 def sync(device):

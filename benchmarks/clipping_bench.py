@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 try:
     from timm.utils import adaptive_clip_grad as timm_agc

@@ -4,7 +4,7 @@ import gc
 import pytest
 import torch
 
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 SIZES = {
     # tiny shapes for the untimed smoke run in the normal tests

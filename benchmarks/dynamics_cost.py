@@ -5,7 +5,7 @@ against the monitor without these options, all variants interleaved in one proce
     python benchmarks/dynamics_cost.py [--layers 4] [--vocab 8192] [--rounds 15] [--accumulate 4]
                                        [--d 768] [--ctx 1024]
 
-The parameter set is GPT-2-small-shaped (gradfuse.workloads.gpt2_small with fewer layers and a
+The parameter set is GPT-2-small-shaped (gradfuse.demo.workloads.gpt2_small with fewer layers and a
 smaller vocabulary by default, so that parameters, gradients and AdamW's two moments fit a shared
 CPU machine). A "micro-batch" here is a copy of fixed gradients into .grad (a stand-in for the
 backward, the same for every variant), so the times compare what the monitor adds.
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 
 class CountPasses(TorchDispatchMode):

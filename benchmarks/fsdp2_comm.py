@@ -56,7 +56,7 @@ def _measure(fn):
 
 def _worker(rank, world, init_file, layers, out):
     import gradfuse
-    from gradfuse import workloads as wl
+    from gradfuse.demo import workloads as wl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

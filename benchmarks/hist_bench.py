@@ -29,13 +29,13 @@ import math
 import torch
 
 import gradfuse
-from gradfuse import _ext
+from gradfuse.ops import library
 from gradfuse import histogram as H
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 
 def has_avx2() -> bool:
-    return _ext._C.build_info()["best_cpu_capability"] == "avx2"
+    return library.extension.build_info()["best_cpu_capability"] == "avx2"
 
 
 def with_setting(get, set_, value, fn):
@@ -52,16 +52,16 @@ def with_setting(get, set_, value, fn):
 
 def with_capability(isa, fn):
     """fn run under CPU capability `isa` (the histogram's loop follows it)."""
-    return with_setting(_ext._C.cpu_capability, _ext._C.set_cpu_capability, isa, fn)
+    return with_setting(library.extension.cpu_capability, library.extension.set_cpu_capability, isa, fn)
 
 
 def has_avx512_loop() -> bool:
-    return bool(_ext._C.build_info().get("histogram_avx512")) and _ext._C.histogram_avx512()
+    return bool(library.extension.build_info().get("histogram_avx512")) and library.extension.histogram_avx512()
 
 
 def with_avx2_loop(fn):
     """fn run with the AVX2 kernels' AVX2 counting loop instead of their AVX-512 one."""
-    return with_setting(_ext._C.histogram_avx512, _ext._C.set_histogram_avx512, False, fn)
+    return with_setting(library.extension.histogram_avx512, library.extension.set_histogram_avx512, False, fn)
 
 
 def calls(named) -> dict:

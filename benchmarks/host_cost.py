@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 HUGE = 1e30  # a max_norm that never clips
 

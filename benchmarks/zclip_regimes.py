@@ -34,7 +34,7 @@ import time
 import torch
 
 import gradfuse
-from gradfuse import workloads as wl
+from gradfuse.demo import workloads as wl
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from clipping_bench import make_model  # noqa: E402

@@ -3,27 +3,35 @@
 One multi-tensor pass per (device, dtype) computes, for every gradient, L2 and L-infinity norms,
 mean, NaN, Inf and zero counts, and the total norm, without host synchronisation; clipping scales
 only when needed, decided on the device.
+
+The package is in layers, each importing only from those below it (docs/architecture.md):
+``gradfuse.ops`` (the compiled ops and their reference fallbacks) and ``gradfuse.utils``;
+``gradfuse.core`` (grouping, distributed reductions, the fused engine, ``GradStats``, the watch
+handle, AMP); the capabilities ``gradfuse.clip``, ``gradfuse.numerics``,
+``gradfuse.activations``, ``gradfuse.dynamics`` and the entry points of
+``gradfuse.functional``; ``gradfuse.monitor`` (the monitor, its policies, sinks and clip
+strategy); ``gradfuse.viz``; ``gradfuse.integrations``; and at the top the demo and the CLI.
+This module re-exports the public names.
 """
-from gradfuse._ext import backend, build_info
 from gradfuse.activations import ActivationCapture, ActivationStats, capture_activations
-from gradfuse.amp import unscale_clip_
-from gradfuse.api import (clip_, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, stats,
-                          tensor_stats)
-from gradfuse.clipping import ZClip, adaptive_clip_grad_, clip_grad_value_
-from gradfuse.grad_stats import GradStats
+from gradfuse.clip import (ZClip, adaptive_clip_grad_, clip_, clip_grad_norm_, clip_grad_value_,
+                           clip_grads_with_norm_, get_total_norm)
+from gradfuse.core.amp import unscale_clip_
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.watch import GradWatch, watch
+from gradfuse.dynamics import NoiseScale
+from gradfuse.functional import stats, tensor_stats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
-from gradfuse.noise_scale import NoiseScale
-from gradfuse.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink, TensorBoardSink,
-                            WandbSink)
-from gradfuse.grad_watch import GradWatch, watch
+from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink,
+                                    TensorBoardSink, WandbSink)
+from gradfuse.ops import backend, build_info
 
 __version__ = "0.1.0"
 
 __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
            "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MetricsSink", "NoiseScale",
-           "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink", "attach", "backend",
-           "build_info", "capture_activations", "clip_", "clip_grad_norm_",
-           "clip_grads_with_norm_", "get_total_norm", "stats", "tensor_stats", "unscale_clip_",
-           "watch", "__version__"]
-__all__ += ["ZClip", "adaptive_clip_grad_", "clip_grad_value_"]  # issue 17: gradfuse.clipping
+           "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
+           "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
+           "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "stats",
+           "tensor_stats", "unscale_clip_", "watch"]

@@ -3,7 +3,7 @@ reference, vectorised over units (tens of thousands of units per call): the tole
 helpers.assert_stats_close, row by row."""
 import torch
 
-from gradfuse import reference
+from gradfuse.ops import reference
 from helpers import acc_eps, acc_tiny
 
 

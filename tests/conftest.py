@@ -26,13 +26,13 @@ def dtype(request):
 @pytest.fixture(params=["avx2", "default"])
 def cpu_capability(request):
     """Runs a test with each build of the CPU kernels this machine can run."""
-    from gradfuse import _ext
-    if _ext._C is None:
+    from gradfuse.ops import library
+    if library.extension is None:
         pytest.skip("gradfuse._C not built")
-    best = _ext._C.build_info()["best_cpu_capability"]
+    best = library.extension.build_info()["best_cpu_capability"]
     if request.param == "avx2" and best != "avx2":
         pytest.skip("no AVX2 on this CPU")
-    before = _ext._C.cpu_capability()
-    _ext._C.set_cpu_capability(request.param)
+    before = library.extension.cpu_capability()
+    library.extension.set_cpu_capability(request.param)
     yield request.param
-    _ext._C.set_cpu_capability(before)
+    library.extension.set_cpu_capability(before)

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from gradfuse import reference
+from gradfuse.ops import reference
 
 
 def acc_eps(dtype: torch.dtype) -> float:
@@ -52,7 +52,7 @@ def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
 def assert_same_stats(a, b):
     """Bitwise equal GradStats: rows, names, total norm (value and dtype), clip coefficient."""
     assert a.names == b.names
-    assert torch.equal(a._floats, b._floats) and torch.equal(a._counts, b._counts)
+    assert torch.equal(a.floats, b.floats) and torch.equal(a.counts, b.counts)
     assert a.total_norm.dtype == b.total_norm.dtype
     torch.testing.assert_close(a.total_norm, b.total_norm, rtol=0, atol=0, equal_nan=True)
     assert (a.clip_coef is None) == (b.clip_coef is None)

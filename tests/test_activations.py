@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.activations import ROOT_NAME, _dead_counts, capture_activations
+from gradfuse.activations.capture import ROOT_NAME, _dead_counts, capture_activations
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -404,7 +404,7 @@ class SubclassOut(nn.Module):
 
 def test_a_hook_that_fails_warns_once_and_leaves_the_module_out(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    from gradfuse import activations as acts
+    from gradfuse.activations import capture as acts
     real = acts.unit_dim
 
     def broken(module, t):
@@ -620,7 +620,7 @@ def test_dead_counts_per_row():
 def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape, dim):
     """On the CPU the per-unit pass is skipped when the zero count decides the answer: too few
     zeros for one unit (0 dead) or all zeros (all dead); every other case takes the pass."""
-    from gradfuse.activations import _known_dead, _one_slice_alive, _unit_activity
+    from gradfuse.activations.capture import _known_dead, _one_slice_alive, _unit_activity
     gen = torch.Generator().manual_seed(0)
     cases = [torch.randn(shape, generator=gen), torch.zeros(shape), torch.randn(shape, generator=gen).relu()]
     one_dead = torch.randn(shape, generator=gen)

@@ -1,5 +1,5 @@
 """The corner probe that decides "no dead unit" on the CPU without the per-unit pass
-(gradfuse.activations._probe_alive): exact against the full pass, and taken where it should be."""
+(gradfuse.activations.capture._probe_alive): exact against the full pass, and taken where it should be."""
 import math
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import activations as acts
-from gradfuse.activations import _probe_alive, _unit_activity
+from gradfuse.activations import capture as acts
+from gradfuse.activations.capture import _probe_alive, _unit_activity
 
 
 def truth(t, dim):

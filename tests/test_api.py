@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import _ext
+from gradfuse.ops import library
 
 
 def test_stats_fields_follow_vector_norm(device, dtype):
@@ -130,7 +130,7 @@ def test_bad_source_item():
 def test_build_info_and_backend():
     info = gradfuse.build_info()
     assert info["torch_version"] == torch.__version__
-    if _ext._C is not None:
+    if library.extension is not None:
         assert info["extension_loaded"] and info["chunk_elems"] == 65536
         assert gradfuse.backend("cpu") in ("cpu-avx2", "cpu-default")
         assert isinstance(info["with_cuda"], bool)
@@ -140,8 +140,8 @@ def test_build_info_and_backend():
 
 
 def test_reference_fallback_warns_once(monkeypatch):
-    monkeypatch.setattr(_ext, "_has_kernel", lambda device_type: False)
-    monkeypatch.setattr(_ext, "_warned", set())
+    monkeypatch.setattr(library, "has_kernel", lambda device_type: False)
+    monkeypatch.setattr(library, "_warned", set())
     g = [torch.randn(50), torch.randn(3)]
     with pytest.warns(RuntimeWarning, match="pure-PyTorch reference"):
         s = gradfuse.tensor_stats(g)
@@ -163,7 +163,7 @@ class warnings_as_errors:
         return self._ctx.__exit__(*exc)
 
 
-@pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+@pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 def test_torch_compile_clip_and_stats():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
     model(torch.randn(4, 6)).sum().backward()

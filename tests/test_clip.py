@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import api, slow_paths
+from gradfuse.core import params as api, slow_paths
 
 inf = math.inf
 POSITIVE_ORDERS = [2.0, 1.0, inf, 3.0, 0.5]

@@ -235,7 +235,7 @@ def test_raise_policy_still_raises_anomaly_with_schedule():
 
 def test_plot_draws_a_scheduled_threshold(tmp_path):
     pytest.importorskip("matplotlib")
-    from gradfuse.plot import plot_gradflow
+    from gradfuse.viz.gradflow import plot_gradflow
     model = make_model()
     path = tmp_path / "run.jsonl"
     sink = gradfuse.JsonlSink(str(path))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.grad_stats import layer_of
+from gradfuse.core.grad_stats import layer_of
 
 TOL = {torch.float32: dict(rtol=1e-6, atol=1e-7), torch.float64: dict(rtol=1e-12, atol=1e-14),
        torch.bfloat16: dict(rtol=1e-2, atol=1e-3), torch.float16: dict(rtol=2e-3, atol=1e-4)}
@@ -62,7 +62,10 @@ def test_per_param_matches_torch_per_parameter(dtype, norm_type):
     m = _net(dtype)
     before = _grads(m)
     norms = sorted(_norm64(g, norm_type).item() for g in before.values())
-    max_norm = norms[len(norms) // 2]  # half clipped, half not
+    # half clipped, half not; between two norms, so that no row sits on the threshold, where the
+    # kernels' float32 accumulation and the float64 reference may round to either side
+    k = len(norms) // 2
+    max_norm = (norms[k - 1] + norms[k]) / 2
     s = gradfuse.clip_(m, max_norm, norm_type=norm_type, per="param")
     clipped = dict(zip(s.names, s.clipped.tolist()))
     assert 0 < sum(clipped.values()) < len(clipped)

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import gradfuse
-from gradfuse import _ext, ops
+from gradfuse import ops
+from gradfuse.ops import library
 from helpers import assert_stats_close
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not _ext._has_kernel("cuda"), reason="gradfuse._C built without CUDA"),
+    pytest.mark.skipif(not library.has_kernel("cuda"), reason="gradfuse._C built without CUDA"),
 ]
 CHUNK = 65536
 

@@ -16,10 +16,10 @@ import torch
 
 import cuda_emu
 from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse import _ext
+from gradfuse.ops import library
 from helpers import assert_stats_close
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C (the CPU backend compared with) not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C (the CPU backend compared with) not built")
 
 CHUNK = 65536
 SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]

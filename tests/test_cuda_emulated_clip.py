@@ -12,11 +12,11 @@ import torch
 
 import cuda_emu
 from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse import _ext, reference
+from gradfuse.ops import library, reference
 from clip_helpers import assert_unit_stats_close
 from helpers import assert_stats_close
 
-pytestmark = pytest.mark.skipif(_ext._C is None or not hasattr(torch.ops.gradfuse, "multi_tensor_clamp_"),
+pytestmark = pytest.mark.skipif(library.extension is None or not hasattr(torch.ops.gradfuse, "multi_tensor_clamp_"),
                                 reason="gradfuse._C (the CPU backend compared with) not built with the clip ops")
 
 CHUNK = 65536

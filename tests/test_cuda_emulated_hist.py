@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse import _ext
+from gradfuse.ops import library
 from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, random_bits
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C (the CPU backend compared with) not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C (the CPU backend compared with) not built")
 cpu_hist = torch.ops.gradfuse.multi_tensor_exponent_histogram
 
 

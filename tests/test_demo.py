@@ -32,7 +32,7 @@ def test_demo_logs_the_exponent_heatmap_and_the_noise_scale(tmp_path, capsys):
     draws them from this run's log): histogram=True on the logging steps, and the noise scale from
     the demo's two accumulated micro-batches per step."""
     from gradfuse import histogram as H
-    from gradfuse.demo import run
+    from gradfuse.demo.demo import run
     result = run(steps=30, out_dir=str(tmp_path), tiny=True, timing=False)
     out = capsys.readouterr().out
     recs = read_jsonl(tmp_path / "run.jsonl")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.grad_stats import layer_of
+from gradfuse.core.grad_stats import layer_of
 from gradfuse.sinks import metrics
 
 

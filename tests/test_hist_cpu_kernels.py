@@ -23,10 +23,10 @@ import math
 import pytest
 import torch
 
-from gradfuse import _ext
+from gradfuse.ops import library
 from hist_helpers import CHUNK, every_exponent, expected_rows, random_bits
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 op = torch.ops.gradfuse.multi_tensor_exponent_histogram
 PAIR_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = lambda d: str(d).replace("torch.", "")  # noqa: E731
@@ -37,19 +37,19 @@ EDGE_SIZES = [1, 15, 16, 17, 31, 33, 255, 256, 257, 271, 4095, 4111, CHUNK - 17,
 def cpu_capability(request):
     """Every CPU histogram loop this machine can run: the AVX-512 counting loop of the AVX2
     kernels, their AVX2 loop, the default build. (Shadows tests/conftest.py's fixture.)"""
-    if _ext._C is None:
+    if library.extension is None:
         pytest.skip("gradfuse._C not built")
-    info = _ext._C.build_info()
+    info = library.extension.build_info()
     if request.param != "default" and info["best_cpu_capability"] != "avx2":
         pytest.skip("no AVX2 on this CPU")
     if request.param == "avx512" and not info["histogram_avx512"]:
         pytest.skip("no AVX512BW + AVX512_BITALG + GFNI on this CPU")
-    before = _ext._C.cpu_capability(), _ext._C.histogram_avx512()
-    _ext._C.set_cpu_capability("default" if request.param == "default" else "avx2")
-    _ext._C.set_histogram_avx512(request.param == "avx512")
+    before = library.extension.cpu_capability(), library.extension.histogram_avx512()
+    library.extension.set_cpu_capability("default" if request.param == "default" else "avx2")
+    library.extension.set_histogram_avx512(request.param == "avx512")
     yield request.param
-    _ext._C.set_cpu_capability(before[0])
-    _ext._C.set_histogram_avx512(before[1])
+    library.extension.set_cpu_capability(before[0])
+    library.extension.set_histogram_avx512(before[1])
 
 
 def check(tensors):
@@ -105,25 +105,25 @@ def test_no_count_leaks_between_chunks_and_calls(dtype, cpu_capability):
 
 @pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)
 def test_builds_agree_across_threads(dtype):
-    from gradfuse import _ext as ext
-    if ext._C.build_info()["best_cpu_capability"] != "avx2":
+    from gradfuse.ops import library as ext
+    if ext.extension.build_info()["best_cpu_capability"] != "avx2":
         pytest.skip("no AVX2 on this CPU")
     tensors = [uniform(dtype, n, seed=n) for n in (768, 2304 * 768, 3 * CHUNK + 7, 50, 0, CHUNK)]
     tensors[2][::1000] = 0.0
-    before_isa, before_threads = ext._C.cpu_capability(), torch.get_num_threads()
-    before_wide = ext._C.histogram_avx512()
-    loops = [("default", False), ("avx2", False)] + [("avx2", True)] * ext._C.build_info()["histogram_avx512"]
+    before_isa, before_threads = ext.extension.cpu_capability(), torch.get_num_threads()
+    before_wide = ext.extension.histogram_avx512()
+    loops = [("default", False), ("avx2", False)] + [("avx2", True)] * ext.extension.build_info()["histogram_avx512"]
     results = {}
     try:
         for isa, wide in loops:
-            ext._C.set_cpu_capability(isa)
-            ext._C.set_histogram_avx512(wide)
+            ext.extension.set_cpu_capability(isa)
+            ext.extension.set_histogram_avx512(wide)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 results[isa, wide, threads] = op(tensors)
     finally:
-        ext._C.set_cpu_capability(before_isa)
-        ext._C.set_histogram_avx512(before_wide)
+        ext.extension.set_cpu_capability(before_isa)
+        ext.extension.set_histogram_avx512(before_wide)
         torch.set_num_threads(before_threads)
     expect = expected_rows(tensors)
     for got in results.values():
@@ -248,14 +248,14 @@ GROUP, GROUPS = 64, 31  # elements per AVX-512 step, steps per block of byte cou
 
 
 def test_avx512_loop_is_the_default_where_the_cpu_has_it():
-    info = _ext._C.build_info()
+    info = library.extension.build_info()
     if not info["histogram_avx512"]:
         with pytest.raises(RuntimeError, match="AVX512BW"):
-            _ext._C.set_histogram_avx512(True)
-        assert not _ext._C.histogram_avx512()
+            library.extension.set_histogram_avx512(True)
+        assert not library.extension.histogram_avx512()
         return
     import os
-    assert _ext._C.histogram_avx512() == (os.environ.get("GRADFUSE_HISTOGRAM_AVX512") != "0")
+    assert library.extension.histogram_avx512() == (os.environ.get("GRADFUSE_HISTOGRAM_AVX512") != "0")
 
 
 @pytest.mark.parametrize("dtype", PAIR_DTYPES, ids=IDS)

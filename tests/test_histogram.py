@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradfuse
-from gradfuse import _ext, headroom
+from gradfuse import headroom
+from gradfuse.ops import library
 from gradfuse import histogram as H
 from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, frexp_histogram, random_bits
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 op = torch.ops.gradfuse.multi_tensor_exponent_histogram
 DTYPE_EXPONENTS = {torch.float16: (-24, 15), torch.bfloat16: (-133, 127), torch.float32: (-149, 127)}
 
@@ -264,6 +265,6 @@ def test_monitor_histogram_on_logging_steps(tmp_path):
     m = metrics(last)
     assert 0 < m["headroom/0/fp8_e4m3_underflow"] + m["headroom/0/fp8_e4m3_subnormal"] <= 1
     assert m["headroom/0/fp8_e4m3_overflow_scaled"] == 0
-    from gradfuse.plot import plot_gradflow
+    from gradfuse.viz.gradflow import plot_gradflow
     plot_gradflow(path, tmp_path / "flow.png")
     assert (tmp_path / "flow_exponents.png").stat().st_size > 10_000

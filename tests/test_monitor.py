@@ -250,7 +250,7 @@ def test_warnings_point_at_the_callers_line():
 
 
 def test_layers_group_by_block_index():
-    from gradfuse.grad_stats import layer_of
+    from gradfuse.core.grad_stats import layer_of
     assert layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert layer_of("bert.encoder.layer.11.attention.self.query.weight") == "bert.encoder.layer.11"
     assert layer_of("encoder.block.0.layer.1.DenseReluDense.wi.weight") == "encoder.block.0"
@@ -349,7 +349,7 @@ def test_plot_from_recorded_jsonl(tmp_path):
     from gradfuse.__main__ import main
     assert main(["plot", str(path), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    from gradfuse.plot import gradflow_figure
+    from gradfuse.viz.gradflow import gradflow_figure
     fig = gradflow_figure(read_jsonl(path))
     ax = fig.axes[2]  # the total-norm panel (after the heat map and its colour bar)
     labels = ax.get_legend_handles_labels()[1]

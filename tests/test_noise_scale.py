@@ -188,7 +188,7 @@ def test_ddp_two_gloo_ranks_estimate_within_10_percent(tmp_path):
 def test_plot_draws_the_noise_scale_curve(tmp_path):
     pytest.importorskip("matplotlib")
     from gradfuse.__main__ import main
-    from gradfuse.plot import noise_scale_path
+    from gradfuse.viz.gradflow import noise_scale_path
     sink = gradfuse.JsonlSink(tmp_path / "run.jsonl")
     mon, *_ = run_accumulation(8, 1.0, 1.0, batch=2, k=2, steps=120, sinks=[sink])
     mon.close()

@@ -6,10 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradfuse import _ext, ops
+from gradfuse import ops
+
+from gradfuse.ops import library
 from helpers import assert_stats_close
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
 stats_op = torch.ops.gradfuse.multi_tensor_stats
 scale_op = torch.ops.gradfuse.multi_tensor_scale_
@@ -133,17 +135,17 @@ def test_deterministic_across_thread_counts(dtype, cpu_capability):
 
 
 def test_cpu_builds_agree_closely(dtype):
-    if _ext._C.build_info()["best_cpu_capability"] != "avx2":
+    if library.extension.build_info()["best_cpu_capability"] != "avx2":
         pytest.skip("only one CPU build on this machine")
     tensors = [randn(n, dtype, "cpu", seed=n) for n in (3 * CHUNK + 3, 100)]
     got = {}
-    before = _ext._C.cpu_capability()
+    before = library.extension.cpu_capability()
     try:
         for isa in ("avx2", "default"):
-            _ext._C.set_cpu_capability(isa)
+            library.extension.set_cpu_capability(isa)
             got[isa] = stats_op(tensors, 2.0)
     finally:
-        _ext._C.set_cpu_capability(before)
+        library.extension.set_cpu_capability(before)
     torch.testing.assert_close(got["avx2"][1], got["default"][1], rtol=0, atol=0)
     torch.testing.assert_close(got["avx2"][0], got["default"][0], rtol=1e-5, atol=1e-6)
 

@@ -8,13 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradfuse import _ext, ops, reference
+from gradfuse import ops
+
+from gradfuse.ops import library, reference
 from clip_helpers import assert_unit_stats_close
 from helpers import assert_stats_close
 
 CHUNK = 65536
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-HAVE_CLIP_OPS = _ext._C is not None and hasattr(torch.ops.gradfuse, "multi_tensor_clamp_")
+HAVE_CLIP_OPS = library.extension is not None and hasattr(torch.ops.gradfuse, "multi_tensor_clamp_")
 
 
 def randn(shape, dtype, seed=0, scale=1.0):

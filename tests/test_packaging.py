@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradfuse import _ext
+from gradfuse.ops import library
 from gradfuse.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_import_refuses_a_build_for_another_torch(tmp_path):
     ("12.0+PTX", (12, 1), True), ("9.0+PTX", (10, 0), True), ("10.0+PTX", (9, 0), False), ("9.0a", (9, 0), True),
 ])
 def test_which_built_archs_run_on_a_gpu(arch, capability, runs):
-    assert _ext._arch_runs_on(arch, capability) is runs
+    assert library.arch_runs_on(arch, capability) is runs
 
 
 class FakeExtension:
@@ -157,9 +157,9 @@ def one_gpu(monkeypatch):
 
 
 def test_info_matching_build(capsys, monkeypatch, one_gpu):
-    monkeypatch.setattr(_ext, "_C", FakeExtension(with_cuda=True, cuda_version="13.0", cuda_archs="8.0;9.0"))
-    monkeypatch.setitem(_ext._KERNELS, "cuda", True)
-    assert _ext.mismatches() == []
+    monkeypatch.setattr(library, "extension", FakeExtension(with_cuda=True, cuda_version="13.0", cuda_archs="8.0;9.0"))
+    monkeypatch.setitem(library.KERNELS, "cuda", True)
+    assert library.mismatches() == []
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "built for" in out and torch.__version__ in out and "NVIDIA H200 (9.0)" in out
@@ -167,7 +167,7 @@ def test_info_matching_build(capsys, monkeypatch, one_gpu):
 
 
 def test_info_gpu_but_no_cuda_kernels(capsys, monkeypatch, one_gpu):
-    monkeypatch.setattr(_ext, "_C", FakeExtension(with_cuda=False))
+    monkeypatch.setattr(library, "extension", FakeExtension(with_cuda=False))
     assert main(["info"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH: a GPU is visible but this build has no CUDA kernels" in out
@@ -175,16 +175,16 @@ def test_info_gpu_but_no_cuda_kernels(capsys, monkeypatch, one_gpu):
 
 
 def test_info_gpu_arch_not_built(capsys, monkeypatch, one_gpu):
-    monkeypatch.setattr(_ext, "_C", FakeExtension(with_cuda=True, cuda_version="13.0", cuda_archs="8.0;10.0"))
-    problems = _ext.mismatches()
+    monkeypatch.setattr(library, "extension", FakeExtension(with_cuda=True, cuda_version="13.0", cuda_archs="8.0;10.0"))
+    problems = library.mismatches()
     assert len(problems) == 1 and "compute capability 9.0" in problems[0]
     assert 'TORCH_CUDA_ARCH_LIST="9.0"' in problems[0]
 
 
 def test_info_extension_missing(capsys, monkeypatch):
-    monkeypatch.setattr(_ext, "_C", None)
-    monkeypatch.setattr(_ext, "_KERNELS", {"cpu": False, "cuda": False})
-    monkeypatch.setattr(_ext, "_load_error", "gradfuse._C could not be loaded (No module named 'gradfuse._C').")
+    monkeypatch.setattr(library, "extension", None)
+    monkeypatch.setattr(library, "KERNELS", {"cpu": False, "cuda": False})
+    monkeypatch.setattr(library, "_load_error", "gradfuse._C could not be loaded (No module named 'gradfuse._C').")
     assert main(["info"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH: gradfuse._C could not be loaded" in out and "pure-PyTorch reference" in out

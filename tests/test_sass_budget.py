@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradfuse import _ext
+from gradfuse.ops import library
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "scripts" / "sass_budget.py")
@@ -83,11 +83,11 @@ def test_a_stats_kernel_without_streaming_loop_is_an_error():
 
 
 def test_built_stats_kernels_within_instruction_budget():
-    if not _ext._has_kernel("cuda"):
+    if not library.has_kernel("cuda"):
         pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
         pytest.skip("the budget is defined for sm_90, which this build does not include")
-    sass = sass_budget.disassemble(_ext._C.__file__, "sm_90")
+    sass = sass_budget.disassemble(library.extension.__file__, "sm_90")
     kernels = sass_budget.stats_kernel_loops(sass)
     report = sass_budget.report(kernels, "sm_90")
     print(report)
@@ -130,11 +130,11 @@ def test_clip_loop_is_the_unrolled_load_store_loop():
 
 
 def test_built_clip_kernels_within_instruction_budget():
-    if not _ext._has_kernel("cuda"):
+    if not library.has_kernel("cuda"):
         pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
         pytest.skip("the budget is defined for sm_90, which this build does not include")
-    kernels = sass_budget.clip_kernel_loops(sass_budget.disassemble(_ext._C.__file__, "sm_90"))
+    kernels = sass_budget.clip_kernel_loops(sass_budget.disassemble(library.extension.__file__, "sm_90"))
     report = sass_budget.clip_report(kernels, "sm_90")
     print(report)
     found = sorted((k.kind, k.dtype, k.table) for k in kernels)
@@ -162,11 +162,11 @@ def test_hist_finds_pass_one_loop_not_pass_two():
 
 
 def test_built_hist_kernels_within_instruction_budget():
-    if not _ext._has_kernel("cuda"):
+    if not library.has_kernel("cuda"):
         pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in _ext.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
         pytest.skip("the budget is defined for sm_90, which this build does not include")
-    kernels = sass_budget.hist_kernel_loops(sass_budget.disassemble(_ext._C.__file__, "sm_90"))
+    kernels = sass_budget.hist_kernel_loops(sass_budget.disassemble(library.extension.__file__, "sm_90"))
     report = sass_budget.hist_report(kernels, "sm_90")
     print(report)
     assert sorted((k.dtype, k.table) for k in kernels) == sorted(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gradfuse import GradMonitor, JsonlSink, MetricsSink
-from gradfuse.monitor import SINK_MAX_BACKOFF
+from gradfuse.monitor.sink_set import SINK_MAX_BACKOFF
 from gradfuse.sinks import read_jsonl
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from gradfuse import _ext
+from gradfuse.ops import library
 
-pytestmark = pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
 stats_op = torch.ops.gradfuse.multi_tensor_stats
 CHUNK = 65536

@@ -9,7 +9,7 @@ from torch import nn
 
 import gradfuse
 from gradfuse.sinks import metrics
-from gradfuse.update_ratio import planned_updates, unavailable_reason
+from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
 
 
 class Net(nn.Module):
@@ -42,7 +42,7 @@ ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.A
 
 def reference_ratios(before, after, names):
     """Per layer (as GradStats.layers groups), in float64 from the copied fp32 parameters."""
-    from gradfuse.grad_stats import layer_of
+    from gradfuse.core.grad_stats import layer_of
     u2, w2 = {}, {}
     for name in names:
         key = layer_of(name)

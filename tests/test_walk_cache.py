@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
-from gradfuse import api, walk_cache
+from gradfuse.core import params as api, walk_cache
 from helpers import assert_same_stats, clone_named
 
 pytestmark = pytest.mark.skipif(walk_cache._walk_class() is None,
@@ -69,7 +69,7 @@ def test_stats_bitwise_equal_to_the_functional_path(dtype, norm_type):
     n1 = make_named(SIZES, dtype)
     n2 = clone_named(n1)
     ref = uncached(gradfuse.stats, n2, norm_type=norm_type)
-    assert float(ref.total_norm.double()) > 0 and int(ref._counts[:, 3].sum()) == sum(SIZES)
+    assert float(ref.total_norm.double()) > 0 and int(ref.counts[:, 3].sum()) == sum(SIZES)
     for step in range(3):
         s, hit = served(gradfuse.stats, n1, norm_type=norm_type)
         assert hit == (step > 0)  # the first call plans, the next ones are served

@@ -11,8 +11,9 @@ from torch import nn
 
 import gradfuse
 from helpers import assert_same_stats
-from gradfuse import _ext, api
-from gradfuse import grad_watch as watch_mod
+from gradfuse.core import params as api
+from gradfuse.ops import library
+from gradfuse.core import watch as watch_mod
 
 needs_ext = pytest.mark.skipif(watch_mod._param_watch_class() is None,
                                reason="gradfuse._C not built (or built without ParamWatch)")
@@ -227,7 +228,7 @@ def test_module_walk_matches_named_parameters():
     m.shared_list = nn.ModuleList([m.head, m.blocks[0]])  # modules reachable twice
     m.register_parameter("none", None)
     m.blocks[2][0].bias = None
-    names, params = api._named_params(m)
+    names, params = api.named_params(m)
     ref = list(m.named_parameters())
     assert names == [n for n, _ in ref] and all(p is q for p, (_, q) in zip(params, ref))
 
@@ -240,7 +241,7 @@ def test_module_walk_matches_named_parameters():
             for n, p in super().named_parameters(*args, **kwargs):
                 yield n.replace("inner.", ""), p
 
-    assert api._named_params(Renamed())[0] == ["weight", "bias"]
+    assert api.named_params(Renamed())[0] == ["weight", "bias"]
 
 
 @needs_ext
@@ -270,8 +271,8 @@ def test_functional_path_serves_what_the_fast_path_does_not(monkeypatch):
         assert_same_stats(g.stats(), gradfuse.stats([("w", m2.head.weight), ("w", m2.head.bias)]))
         assert g.last_path == "python"
     # a device without compiled kernels (here: CPU, as if gradfuse._C had none) runs the reference
-    monkeypatch.setitem(_ext._KERNELS, "cpu", False)
-    monkeypatch.setattr(_ext, "_warned", {"cpu"})
+    monkeypatch.setitem(library.KERNELS, "cpu", False)
+    monkeypatch.setattr(library, "_warned", {"cpu"})
     g = gradfuse.watch(m1)
     for _ in range(2):
         assert_same_stats(g.stats(), gradfuse.stats(m2))
@@ -336,7 +337,7 @@ def test_empty_and_gradient_free_models():
     assert len(gradfuse.watch([])) == 0 and len(gradfuse.watch([]).stats()) == 0
 
 
-@pytest.mark.skipif(_ext._C is None, reason="gradfuse._C not built")
+@pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 def test_watch_under_torch_compile_takes_the_traceable_path():
     m1, m2 = twins()
     g = gradfuse.watch(m1)
@@ -357,7 +358,7 @@ def test_watch_under_torch_compile_takes_the_traceable_path():
     torch.testing.assert_close(m1.head.weight.grad, m2.head.weight.grad)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not _ext._has_kernel("cuda"),
+@pytest.mark.skipif(not torch.cuda.is_available() or not library.has_kernel("cuda"),
                     reason="needs a CUDA GPU and gradfuse's CUDA kernels")
 def test_cuda_fast_path_without_host_sync_and_bitwise_equal():
     m1, m2 = (m.cuda() for m in twins())

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
-from gradfuse import grad_watch as watch_mod
+from gradfuse.core import watch as watch_mod
 from helpers import clone_named
 
 pytestmark = pytest.mark.skipif(watch_mod._param_watch_class() is None,
@@ -34,7 +34,7 @@ def params_with_grads(sizes, dtype, seed=0, transpose_at=()):
 
 def assert_same(a, b):
     assert a.names == b.names
-    assert torch.equal(a._floats, b._floats) and torch.equal(a._counts, b._counts)
+    assert torch.equal(a.floats, b.floats) and torch.equal(a.counts, b.counts)
     torch.testing.assert_close(a.total_norm, b.total_norm, rtol=0, atol=0, equal_nan=True)
     assert (a.clip_coef is None) == (b.clip_coef is None)
     if a.clip_coef is not None:
@@ -64,7 +64,7 @@ def test_direct_path_bitwise_equal_to_functional(dtype, norm_type, threads, tran
             s = g.stats()
             assert g.last_path == ("python" if step == 0 else "fast")
             assert_same(s, gradfuse.stats(n2, norm_type=norm_type))
-            assert float(s.total_norm) > 0 and int(s._counts[:, 3].sum()) == sum(
+            assert float(s.total_norm) > 0 and int(s.counts[:, 3].sum()) == sum(
                 p.grad.numel() for _, p in n1)
         ref = gradfuse.stats(n2, norm_type=norm_type)
         for max_norm in (float(ref.total_norm.double()) * 0.5, 1e30):  # clips, then does not

@@ -119,9 +119,9 @@ def test_no_host_sync_per_step(monkeypatch, mode):
 
 def test_step_scales_without_per_parameter_python(monkeypatch):
     """After the first step plans gradfuse.watch's fast path, ZClip.step reads and scales the
-    gradients from C++: no Python pass over the parameters (api._with_grads), same gradients
+    gradients from C++: no Python pass over the parameters (with_grads), same gradients
     as the zclip package, and clipping really happens."""
-    from gradfuse import api
+    from gradfuse.clip import zclip as zclip_module
     ours = gradfuse.ZClip(warmup_steps=5, alpha=0.9, max_grad_norm=3.0)
     ref = zclip.ZClip(warmup_steps=5, alpha=0.9, max_grad_norm=3.0)
     m, m_ref = _model(), _model()
@@ -129,8 +129,8 @@ def test_step_scales_without_per_parameter_python(monkeypatch):
     ours.step(m)
     ref.step(m_ref)
     calls = []
-    real = api._with_grads
-    monkeypatch.setattr(api, "_with_grads", lambda *a: calls.append(1) or real(*a))
+    real = zclip_module.with_grads
+    monkeypatch.setattr(zclip_module, "with_grads", lambda *a: calls.append(1) or real(*a))
     clipped = 0
     for k in range(1, len(NORMS)):
         _set_grads([m, m_ref], k)

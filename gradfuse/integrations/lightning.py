@@ -10,16 +10,17 @@ own clipping, which it turns off. A step the policy skips is not taken (see
 """
 from __future__ import annotations
 
-from gradfuse.sinks import _require
+from gradfuse.utils import require
 
-_require("lightning", "lightning", "integrations.lightning")
+require("lightning", "lightning", "integrations.lightning")
 
 from lightning.pytorch import Callback  # noqa: E402
 
-from gradfuse.clipping import describe_mode  # noqa: E402
+from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
-from gradfuse.monitor import GradMonitor, StepReport, warn  # noqa: E402
-from gradfuse.sinks import metrics  # noqa: E402
+from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
+from gradfuse.utils import warn  # noqa: E402
+from gradfuse.monitor.sinks import metrics  # noqa: E402
 
 
 class LightningLoggerSink:
@@ -167,7 +168,7 @@ class GradfuseCallback(Callback):
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
                               sinks=sinks, **({"module": pl_module} if hooks else {}), **kwargs)
             mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
-            from gradfuse.noise_scale import configure
+            from gradfuse.dynamics.noise_scale import configure
             configure(mon.noise_scale, accumulation_steps=trainer.accumulate_grad_batches)
             if index in self._saved:
                 mon.load_state_dict(self._saved.pop(index))
@@ -189,7 +190,7 @@ class GradfuseCallback(Callback):
         if not self.monitor_kwargs.get("noise_scale") or len(trainer.optimizers) != 1:
             return
         mon = self._monitor_for(trainer, pl_module, trainer.optimizers[0])
-        from gradfuse.noise_scale import configure
+        from gradfuse.dynamics.noise_scale import configure
         configure(mon.noise_scale, batch_size=getattr(self, "_batch_size", None))
         mon.micro_step()
 

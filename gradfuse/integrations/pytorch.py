@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from gradfuse.monitor import GradMonitor, StepReport
+from gradfuse.monitor.monitor import GradMonitor, StepReport
 
 
 class StepGate:
@@ -123,7 +123,7 @@ class Attachment:
         # (model= a DistributedDataParallel) the bucket norms from a communication hook.
         self._backward_ends = None
         if self.monitor.noise_scale is not None:
-            from gradfuse.noise_scale import BackwardEnds
+            from gradfuse.dynamics.noise_scale import BackwardEnds
             self._backward_ends = BackwardEnds([p for _, p in named], self.monitor.micro_step)
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 self.monitor.noise_scale.register_ddp(model)

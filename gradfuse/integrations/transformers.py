@@ -14,17 +14,18 @@ they reach TensorBoard, W&B, ... through its own reporting.
 """
 from __future__ import annotations
 
-from gradfuse.sinks import _require
+from gradfuse.utils import require
 
-_require("transformers", "transformers", "integrations.transformers")
+require("transformers", "transformers", "integrations.transformers")
 
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 
-from gradfuse.clipping import describe_mode  # noqa: E402
+from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
-from gradfuse.monitor import GradMonitor, StepReport, warn  # noqa: E402
-from gradfuse.sinks import metrics  # noqa: E402
+from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
+from gradfuse.utils import warn  # noqa: E402
+from gradfuse.monitor.sinks import metrics  # noqa: E402
 
 # Where the monitor's state travels in trainer_state.json (TrainerState.stateful_callbacks).
 # Not the class name: the Trainer re-creates callbacks stored under their class name from their
@@ -84,7 +85,7 @@ class GradfuseCallback(TrainerCallback):
                 sinks=self.sinks if trainer.is_world_process_zero() else [],
                 **({"module": trainer.model} if hooks else {}), **kwargs)
             self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
-            from gradfuse.noise_scale import configure
+            from gradfuse.dynamics.noise_scale import configure
             configure(self.monitor.noise_scale, batch_size=args.per_device_train_batch_size,
                       accumulation_steps=args.gradient_accumulation_steps)
         ns = self.monitor.noise_scale

@@ -1,0 +1,94 @@
+"""Command line: ``python -m gradfuse {demo,plot,info}`` (also the ``gradfuse`` script).
+
+Layer: the top, beside the demo. Imports any of gradfuse.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gradfuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="train a small model on built-in data with the monitor on")
+    d.add_argument("--steps", type=int, default=200)
+    d.add_argument("--out", default="runs/demo", help="folder for run.jsonl and gradflow.png")
+    d.add_argument("--tiny", action="store_true", help="tiny sizes (for tests)")
+    p = sub.add_parser("plot", help="draw gradient flow from a GradMonitor JSONL log (and, for "
+                                    "activations=True logs, <output>_activations.png)")
+    p.add_argument("jsonl")
+    p.add_argument("-o", "--output", default="gradflow.png")
+    i = sub.add_parser("info", help="what gradfuse._C was built for vs what is running, the backends "
+                                    "in use, and what to do when they differ")
+    i.add_argument("--json", action="store_true", help="only the build info and backends, as JSON")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from gradfuse.demo.demo import run
+        run(steps=args.steps, out_dir=args.out, tiny=args.tiny)
+    elif args.command == "plot":
+        from gradfuse.monitor.sinks import read_jsonl
+        from gradfuse.viz import activations as pa  # GradMonitor(activations=True) logs
+        from gradfuse.viz.gradflow import plot_gradflow
+        print(plot_gradflow(args.jsonl, args.output))
+        if pa.has_activations(read_jsonl(args.jsonl)):
+            print(pa.plot_activations(args.jsonl, pa.activations_path(args.output)))
+    elif args.command == "info":
+        return print_info(as_json=args.json)
+    return 0
+
+
+def _extension_python_tag() -> str | None:
+    """The interpreter the loaded gradfuse._C was built for, from its file name (cpython-311...)."""
+    import re
+
+    from gradfuse.ops import library
+    ext = library.extension
+    m = ext is not None and re.search(r"\.(\w+?)-(\d)(\d+)", Path(ext.__file__).name)
+    return f"{m.group(1)} {m.group(2)}.{m.group(3)}" if m else None
+
+
+def print_info(as_json: bool = False) -> int:
+    """Built for vs running, side by side; exit status 1 when they differ in a way that matters."""
+    import platform
+
+    import torch
+
+    import gradfuse
+    from gradfuse.ops import library
+    info = gradfuse.build_info()
+    info["backends"] = {"cpu": gradfuse.backend("cpu")}
+    if torch.cuda.is_available():
+        info["backends"]["cuda"] = gradfuse.backend("cuda")
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    gpus = [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    loaded = info["extension_loaded"]
+    rows = [
+        ("", "built for", "running"),
+        ("torch", info["torch_version"] if loaded else "-", torch.__version__),
+        ("CUDA", (info["cuda_version"] or "no CUDA kernels") if loaded else "-", torch.version.cuda or "no CUDA"),
+        ("GPU archs", (info["cuda_archs"] or "-") if loaded else "-", ", ".join(gpus) or "no GPU visible"),
+        ("Python", _extension_python_tag() or "-", platform.python_version()),
+    ]
+    print(f"gradfuse {gradfuse.__version__} at {Path(gradfuse.__file__).parent}")
+    for name, built, running in rows:
+        print(f"  {name:<10} {built:<28} {running}")
+    print("  backends   " + ", ".join(f"{d}: {b}" for d, b in info["backends"].items())
+          + (f" (CPU kernels: {info['cpu_capability']}, best here: {info['best_cpu_capability']})" if loaded else ""))
+    problems = library.mismatches()
+    for problem in problems:
+        print(f"MISMATCH: {problem}")
+    if not problems:
+        print("OK: the build serves every device here.")
+    print("build info (JSON, for bug reports): " + json.dumps(info))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

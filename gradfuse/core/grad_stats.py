@@ -1,0 +1,361 @@
+"""GradStats: the per-parameter gradient statistics of one step, kept on the device.
+
+Layer: core. Imports :mod:`gradfuse.ops.layout` and the core's distributed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradfuse.core.distributed import as_dtensor
+from gradfuse.ops.layout import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
+
+
+def _derived(fn):
+    """A property computed once per object. (functools.cached_property takes a lock that
+    torch.compile cannot trace.)"""
+    name = fn.__name__
+
+    def get(self):
+        if name not in self._derived:
+            self._derived[name] = fn(self)
+        return self._derived[name]
+
+    return property(get, doc=fn.__doc__)
+
+
+PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "zero_count",
+                    "zero_fraction")
+
+
+class GradStats:
+    """Statistics of a set of gradients: per parameter (rows follow :attr:`names`) and in total.
+
+    Every attribute is a tensor on the device of the first gradient and is computed without host
+    synchronisation. Reading values as Python numbers (:meth:`to_dict`, :meth:`table`,
+    :meth:`nonfinite_names`) copies everything to the host in one transfer, once, and caches it.
+
+    Per parameter (1-d tensors): ``numel``, ``l2``, ``linf``, ``mean``, ``nan_count``,
+    ``inf_count``, ``zero_count``, ``zero_fraction`` (float64 / int64). L2 and L-infinity
+    follow ``torch.linalg.vector_norm`` (NaN and Inf propagate); an empty gradient has
+    ``l2 = linf = mean = zero_fraction = 0``.
+
+    In total (0-d tensors): ``total_norm`` (of order ``norm_type``, in the gradients' dtype as
+    ``clip_grad_norm_`` returns it), ``nonfinite`` (any NaN or Inf element in any gradient),
+    and after :func:`gradfuse.clip_` also ``clip_coef`` (the factor applied, at most 1) and
+    ``clipped``. Like torch.nn.utils, the total norm of gradients is the norm of their
+    norms: for ``norm_type=0`` that is the number of parameters with a non-zero gradient element
+    (:func:`gradfuse.tensor_stats` counts the non-zero elements; so does ``norm(0).sum()``).
+    For DTensor gradients ``total_norm`` is a DTensor with the placements torch gives it
+    (``.full_tensor()`` reads it).
+
+    ``scope`` is ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
+    rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
+
+    Clipping modes (:mod:`gradfuse.clip`): after ``clip_(..., per="param"|"layer")``
+    ``clip_coef`` and ``clipped`` are 1-d, one entry per row (``clip_per`` says which); after
+    ``clip_(..., value=v)`` ``clamped`` holds the elements changed per row, ``clipped`` is
+    ``clamped > 0`` and ``clip_value`` is ``v``.
+    """
+
+    # With histogram=True (gradfuse.numerics.histogram): int64 [n, 283] exponent histogram per
+    # row, and the headroom columns {column: float64 [n]} per format (gradfuse.numerics.headroom)
+    exponent_histogram: torch.Tensor | None = None
+    headroom: dict[str, torch.Tensor] | None = None
+    # The clipping modes (gradfuse.clip) set these on the instances they return.
+    clip_per: str | None = None
+    clamped: torch.Tensor | None = None
+    clip_value: float | None = None
+
+    def __init__(self, names: list[str], floats: torch.Tensor, counts: torch.Tensor,
+                 norm_type: float, total_norm: torch.Tensor,
+                 clip_coef: torch.Tensor | None = None, max_norm: float | None = None,
+                 group_nonfinite: torch.Tensor | None = None, dtensor_spec=None,
+                 pending_rows=None):
+        self.names = names
+        # With group= (pipeline stages): rows are this rank's parameters, while total_norm and
+        # nonfinite cover the whole group.
+        self.scope = "rank" if group_nonfinite is not None else "all"
+        self._group_nonfinite = group_nonfinite
+        self.norm_type = norm_type
+        # _total: a plain tensor, the full value on every rank; what gradfuse computes with.
+        self.plain_total_norm = total_norm
+        self.dtensor_spec = dtensor_spec
+        self.total_norm = total_norm if dtensor_spec is None else as_dtensor(total_norm, dtensor_spec)
+        self.clip_coef = clip_coef
+        self.max_norm = max_norm
+        self._rows_f = floats  # [n, 4] float64, columns as in gradfuse.reference
+        self._rows_c = counts  # [n, 4] int64
+        # DTensor gradients whose total norm alone was reduced (gradfuse.sharded): rows of this
+        # rank's shards, reduced over the mesh when first read (a collective on every rank).
+        self._pending_rows = pending_rows
+        self._host_cache: dict | None = None
+        self._derived: dict = {}
+
+    def replace(self, **changes) -> "GradStats":
+        """A copy with some constructor arguments changed (the derived values are recomputed)."""
+        args = dict(names=self.names, floats=self._rows_f, counts=self._rows_c,
+                    norm_type=self.norm_type, total_norm=self.plain_total_norm, clip_coef=self.clip_coef,
+                    max_norm=self.max_norm, group_nonfinite=self._group_nonfinite,
+                    dtensor_spec=self.dtensor_spec, pending_rows=self._pending_rows)
+        args.update(changes)
+        out = GradStats(**args)
+        out.exponent_histogram = self.exponent_histogram
+        out.headroom = self.headroom
+        return out
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def floats(self) -> torch.Tensor:
+        """The fused op's float64 ``[n, 4]`` rows (columns as :mod:`gradfuse.ops.layout`)."""
+        if self._pending_rows is not None:
+            self._rows_f, self._rows_c = self._pending_rows.get()
+            self._pending_rows = None
+        return self._rows_f
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """The fused op's int64 ``[n, 4]`` rows (NaN, Inf, zero counts, numel)."""
+        if self._pending_rows is not None:
+            self.floats  # reduces both
+        return self._rows_c
+
+    # Per-parameter statistics, derived lazily from the fused results (small device ops).
+    @_derived
+    def numel(self) -> torch.Tensor:
+        return self.counts[:, NUMEL]
+
+    @_derived
+    def l2(self) -> torch.Tensor:
+        return self.floats[:, SUMSQ].sqrt()
+
+    @_derived
+    def linf(self) -> torch.Tensor:
+        return self.floats[:, MAXABS]
+
+    @_derived
+    def mean(self) -> torch.Tensor:
+        return self.floats[:, SUM] / self.numel.clamp(min=1)
+
+    @_derived
+    def nan_count(self) -> torch.Tensor:
+        return self.counts[:, NAN]
+
+    @_derived
+    def inf_count(self) -> torch.Tensor:
+        return self.counts[:, INF]
+
+    @_derived
+    def zero_count(self) -> torch.Tensor:
+        return self.counts[:, ZERO]
+
+    @_derived
+    def zero_fraction(self) -> torch.Tensor:
+        return self.zero_count / self.numel.clamp(min=1)
+
+    @_derived
+    def nonfinite(self) -> torch.Tensor:
+        if self._group_nonfinite is not None:
+            return self._group_nonfinite
+        if self._pending_rows is not None:  # a NaN/Inf element made the total NaN/Inf
+            return ~torch.isfinite(self.plain_total_norm)
+        return (self.counts[:, NAN] + self.counts[:, INF]).sum() > 0
+
+    @_derived
+    def clipped(self) -> torch.Tensor | None:
+        if self.clip_coef is None:
+            return None if self.clamped is None else self.clamped > 0
+        return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
+
+    def headroom_dict(self) -> dict[str, dict[str, float]]:
+        """:attr:`headroom` as {name: {column: value}}, read in one transfer."""
+        if self.headroom is None:
+            raise ValueError("no exponent histogram: take the stats with histogram=True")
+        return columns_to_host(self.names, self.headroom)
+
+    def norm(self, norm_type: float | None = None) -> torch.Tensor:
+        """Per-parameter norm of order ``norm_type`` (default: this object's), float64, as
+        ``torch.linalg.vector_norm`` of each gradient. Orders other than 0, 2 and inf need the
+        stats to have been taken with that ``norm_type``."""
+        p = self.norm_type if norm_type is None else float(norm_type)
+        if p == 2.0:
+            return self.l2
+        if p == math.inf:
+            return self.linf
+        if p == 0.0:
+            return (self.numel - self.zero_count).to(torch.float64)
+        if p != self.norm_type:
+            raise ValueError(f"per-parameter norms of order {p} need gradfuse.stats(..., "
+                             f"norm_type={p}); these stats were taken with norm_type={self.norm_type}")
+        if p == 1.0 or p == -math.inf:  # POWSUM holds sum |x| / min |x|
+            return self.floats[:, POWSUM]
+        return self.floats[:, POWSUM].pow(1.0 / p)
+
+    # Host side: one transfer, cached.
+    def _host(self) -> dict:
+        if self._host_cache is None:
+            n = len(self.names)
+            dev = self.floats.device
+            scalars = [self.plain_total_norm.to(dev, torch.float64).reshape(1),
+                       self.nonfinite.to(dev, torch.float64).reshape(1)]
+            per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
+            if self.clip_coef is not None:  # per row: the smallest coefficient as the summary
+                coef = ((self.clip_coef.amin() if n else self.clip_coef.new_ones(())) if per_row
+                        else self.clip_coef)
+                scalars.append(coef.to(dev, torch.float64).reshape(1))
+            extra = [self.clip_coef] if per_row else []
+            extra += [self.clamped] if self.clamped is not None else []
+            scalars += [x.to(dev, torch.float64).reshape(-1) for x in extra]
+            cols = [self.l2, self.linf, self.mean, self.zero_fraction,
+                    self.numel.double(), self.nan_count.double(), self.inf_count.double(),
+                    self.zero_count.double()]
+            packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
+            rows = [packed[i * 8:(i + 1) * 8] for i in range(n)]
+            tail = packed[n * 8:]
+            ncoef = 1 if self.clip_coef is not None else 0
+            extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(len(extra))]
+            self._host_cache = {
+                "row_coef": extra_rows[0] if per_row else None,
+                "row_clamped": extra_rows[-1] if self.clamped is not None else None,
+                "rows": rows,
+                "total_norm": tail[0],
+                "nonfinite": bool(tail[1]),
+                "clip_coef": tail[2] if self.clip_coef is not None else None,
+            }
+        return self._host_cache
+
+    def to_dict(self) -> dict:
+        """All statistics as Python numbers: ``{"total_norm", "norm_type", "nonfinite",
+        "clip_coef", "clipped", "params": {name: {numel, l2, linf, mean, nan_count, inf_count,
+        zero_count, zero_fraction}}}``."""
+        h = self._host()
+        params = {}
+        for name, (l2, linf, mean, zf, numel, nan, inf, zero) in zip(self.names, h["rows"]):
+            params[name] = {"numel": int(numel), "l2": l2, "linf": linf, "mean": mean,
+                            "nan_count": int(nan), "inf_count": int(inf),
+                            "zero_count": int(zero), "zero_fraction": zf}
+        extra = {}
+        if h["row_coef"] is not None:  # per-parameter / per-layer clipping
+            for name, c in zip(self.names, h["row_coef"]):
+                params[name].update(clip_coef=c, clipped=not (c >= 1))
+            extra = {"clip_per": self.clip_per,
+                     "clipped_params": sum(1 for c in h["row_coef"] if not c >= 1)}
+        if h["row_clamped"] is not None:  # clipping by value
+            for name, k in zip(self.names, h["row_clamped"]):
+                params[name].update(clamped=int(k), clipped=k > 0)
+            extra = {"clip_value": self.clip_value, "clamped": int(sum(h["row_clamped"])),
+                     "clipped_params": sum(1 for k in h["row_clamped"] if k > 0)}
+        coef = h["clip_coef"]
+        return {
+            "total_norm": h["total_norm"],
+            "norm_type": self.norm_type,
+            "nonfinite": h["nonfinite"],
+            "scope": self.scope,
+            "clip_coef": coef,
+            "clipped": None if coef is None else not (coef >= 1),
+            "max_norm": self.max_norm,
+            "params": params,
+            **extra,
+        }
+
+    def layers(self, depth: int | None = None) -> dict[str, dict]:
+        """Statistics aggregated by layer, from the fused per-parameter results (no new pass):
+        l2 of the concatenated gradients, max linf, summed counts, overall mean and zero fraction.
+        A layer is the module path up to the first block index (``transformer.h.3`` for
+        ``transformer.h.3.attn.c_attn.weight``, ``lm_head`` for ``lm_head.weight``), or with
+        ``depth`` the first ``depth`` name parts (``layers.3`` at depth 2)."""
+        out: dict[str, dict] = {}
+        for name, r in self.to_dict()["params"].items():
+            key = layer_of(name, depth)
+            agg = out.setdefault(key, {"numel": 0, "sumsq": 0.0, "linf": 0.0, "sum": 0.0,
+                                       "nan_count": 0, "inf_count": 0, "zero_count": 0,
+                                       "params": 0})
+            agg["numel"] += r["numel"]
+            agg["sumsq"] += r["l2"] ** 2
+            agg["linf"] = r["linf"] if math.isnan(r["linf"]) or r["linf"] > agg["linf"] else agg["linf"]
+            agg["sum"] += r["mean"] * r["numel"]
+            agg["nan_count"] += r["nan_count"]
+            agg["inf_count"] += r["inf_count"]
+            agg["zero_count"] += r["zero_count"]
+            agg["params"] += 1
+        for agg in out.values():
+            n = max(agg["numel"], 1)
+            agg["l2"] = math.sqrt(agg.pop("sumsq"))
+            agg["mean"] = agg.pop("sum") / n
+            agg["zero_fraction"] = agg["zero_count"] / n
+        return out
+
+    def nonfinite_names(self) -> list[str]:
+        """Names of the parameters whose gradient holds a NaN or an Inf."""
+        return [name for name, row in zip(self.names, self._host()["rows"]) if row[5] or row[6]]
+
+    def table(self, top: int | None = None, sort_by: str = "l2") -> str:
+        """A fixed-width table of the per-parameter statistics, largest ``sort_by`` first
+        (NaN first of all), limited to ``top`` rows, with the totals below."""
+        d = self.to_dict()
+        if sort_by not in PER_PARAM_FIELDS:
+            raise ValueError(f"sort_by must be one of {PER_PARAM_FIELDS}, got {sort_by!r}")
+        items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1][sort_by]), reverse=True)
+        shown = items if top is None else items[:top]
+        width = max([len("parameter")] + [len(n) for n, _ in shown])
+        head = (f"{'parameter':<{width}}  {'numel':>10}  {'l2':>10}  {'linf':>10}  {'mean':>11}"
+                f"  {'nan':>6}  {'inf':>6}  {'zero%':>6}")
+        lines = [head, "-" * len(head)]
+        for name, r in shown:
+            lines.append(f"{name:<{width}}  {r['numel']:>10}  {r['l2']:>10.4g}  {r['linf']:>10.4g}"
+                         f"  {r['mean']:>11.3e}  {r['nan_count']:>6}  {r['inf_count']:>6}"
+                         f"  {100 * r['zero_fraction']:>6.1f}")
+        if len(shown) < len(items):
+            lines.append(f"... {len(items) - len(shown)} more parameters")
+        total = f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}"
+        if d["clip_coef"] is not None and "clip_per" in d:
+            total += (f"   per {d['clip_per']}: {d['clipped_params']} of {len(items)} clipped, "
+                      f"smallest coef {d['clip_coef']:.4g}, max_norm {d['max_norm']:g}")
+        elif d["clip_coef"] is not None:
+            max_norm = "adaptive" if d["max_norm"] is None else f"{d['max_norm']:g}"
+            total += (f"   clip coef: {d['clip_coef']:.4g} "
+                      f"({'clipped' if d['clipped'] else 'not clipped'}, max_norm {max_norm})")
+        if "clamped" in d:
+            total += (f"   clip value {d['clip_value']:g}: {d['clamped']} elements clamped in "
+                      f"{d['clipped_params']} of {len(items)}")
+        if d["nonfinite"]:
+            total += f"   NON-FINITE: {', '.join(self.nonfinite_names())}"
+        lines.append(total)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"GradStats({len(self.names)} parameters, norm_type={self.norm_type}, "
+                f"device={self.floats.device})")
+
+
+def layer_of(name: str, depth: int | None = None) -> str:
+    """The module prefix of a parameter name, leaving out the parameter's own name: up to and
+    including the first numeric part, a block index (``transformer.h.3.attn.c_attn.weight`` ->
+    ``transformer.h.3``; the whole module path when there is none), or with ``depth`` its first
+    ``depth`` dotted parts (``layers.3.attn.weight`` -> ``layers.3`` at depth 2)."""
+    parts = name.split(".")[:-1] or [name]
+    if depth is None:
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+        return ".".join(parts[:index + 1])
+    return ".".join(parts[:max(depth, 1)])
+
+
+def _sort_key(v: float):
+    return (math.isnan(v), v if not math.isnan(v) else 0.0)
+
+
+def _order(p: float) -> str:
+    return f"{p:g}"  # inf, -inf, 2, 0.5
+
+
+def columns_to_host(names: list[str], columns: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Per-row columns ({column: [n] tensor}) as {name: {column: value}}, with one
+    device-to-host transfer."""
+    if not names:
+        return {}
+    keys = list(columns)
+    packed = torch.stack([columns[k] for k in keys], 1).cpu().tolist()
+    return {name: dict(zip(keys, row)) for name, row in zip(names, packed)}

@@ -1,0 +1,202 @@
+"""gradfuse.watch(): a handle on a model's parameters, resolved once, that takes each step's
+statistics and clips at a host cost that does not grow with Python work per parameter.
+
+The functional calls (``gradfuse.stats(model)``, ``gradfuse.clip_(model)``) walk the module
+tree, read every ``.grad`` in Python and hand a list of 10 000 tensors to the dispatcher, every
+step. A :class:`GradWatch` does the walk once; each step, C++ (``csrc/watch.cpp``) reads the
+gradients from the cached parameters, checks them against a plan made on an earlier step (which
+parameters have a gradient, each group's device and dtype, the order of the result's rows), and
+runs the fused ops, the total norm and the clip coefficient without Python. Results are bitwise
+those of the functional calls.
+
+Whatever the fast path does not serve takes the functional path (gradfuse.core.engine) for that step,
+with its errors naming the parameters: a step whose gradients differ from the plan (a gradient
+became None or appeared, changed dtype or device; a new plan is made from that step), DTensor or
+other tensor-subclass gradients, devices without compiled kernels (the reference fallback),
+``group=``, torch.compile tracing, and a build of gradfuse._C without this class.
+
+Layer: core. Imports :mod:`gradfuse.ops` and the core modules below it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradfuse.core import distributed
+from gradfuse.core.engine import fused_stats, raise_if_nonfinite, scale_to_max_norm
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.norms import kernel_takes_order
+from gradfuse.core.params import check_max_norm, check_norm_type, named_params, with_grads
+from gradfuse.ops import library
+
+# Bumped by global module hooks whenever any module registers a parameter or a submodule (a new
+# layer, ``module.weight = nn.Parameter(...)``, ``ModuleList.append``): a watch on a module
+# re-resolves its parameters when this moved, at the cost of one integer compare per step.
+_registrations = 0
+_hooks = None
+
+
+def _count_registration(*_args) -> None:
+    global _registrations
+    _registrations += 1
+
+
+def _install_registration_hooks() -> None:
+    global _hooks
+    if _hooks is None:
+        from torch.nn.modules import module as module_mod
+        _hooks = (module_mod.register_module_parameter_registration_hook(_count_registration),
+                  module_mod.register_module_module_registration_hook(_count_registration))
+
+
+def _param_watch_class():
+    """torch.classes.gradfuse.ParamWatch, or None when gradfuse._C is missing or predates it."""
+    if library.extension is None:
+        return None
+    try:
+        return torch.classes.gradfuse.ParamWatch
+    except RuntimeError:
+        return None
+
+
+class GradWatch:
+    """A model's parameters, resolved once, for per-step :meth:`stats` and :meth:`clip_`.
+
+    Create with :func:`gradfuse.watch`. ``names`` and ``params`` are the watched parameters
+    (with or without a gradient). Each call reads the current gradients (``zero_grad`` may
+    have replaced them) and returns what ``gradfuse.stats(source, norm_type=...)`` /
+    ``gradfuse.clip_(source, ...)`` would, bit for bit.
+
+    When a watched module changes: registering a parameter or submodule anywhere
+    (``model.head = nn.Linear(...)``, ``model.fc.weight = nn.Parameter(...)``,
+    ``ModuleList.append``) is seen by global registration hooks, and the next call re-resolves
+    the parameters. Changes that bypass registration are not seen: ``del model.layer``,
+    ``model.fc.weight = None``, writing ``module._parameters`` directly,
+    ``torch.utils.swap_tensors`` on a parameter; call :meth:`refresh` after those. An iterable
+    source is listed once, at :func:`gradfuse.watch`.
+    """
+
+    def __init__(self, source, *, norm_type: float = 2.0, group=None):
+        self.norm_type = check_norm_type(norm_type)
+        self.group = group
+        if isinstance(source, nn.Module):
+            _install_registration_hooks()
+            self._module, self._items = source, None
+        else:
+            self._module = None
+            self._items = [source] if isinstance(source, torch.Tensor) else list(source)
+        self.last_path: str | None = None  # "fast" or "python": what served the last call
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Resolves the parameters again (see the class docstring for when that is needed)."""
+        source = self._module if self._module is not None else self._items
+        self.names, self.params = named_params(source)
+        self._resolved_at = _registrations
+        self._row_names: list[str] | None = None  # names in the rows of a fast-path result
+        cls = _param_watch_class()
+        index = {name: i for i, name in enumerate(self.names)}
+        # Rows are matched to parameters by name: duplicated names (possible in a user's list of
+        # pairs) and group= (a collective per call) always take the functional path.
+        self._index = index if len(index) == len(self.names) else None
+        # Negative orders and -inf take the functional path's per-tensor arithmetic.
+        usable = (cls is not None and self._index is not None and self.group is None
+                  and kernel_takes_order(self.norm_type))
+        self._fast = cls(self.params) if usable else None
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __repr__(self) -> str:
+        return f"GradWatch({len(self)} parameters, norm_type={self.norm_type})"
+
+    def stats(self, *, rows: bool = True) -> GradStats:
+        """Statistics of the current gradients: ``gradfuse.stats(source, norm_type=...)``.
+        ``rows=False``: for DTensor gradients only the total norm is reduced now (one scalar
+        all-reduce per sharded mesh dimension, as torch's clip_grad_norm_); the per-parameter
+        rows are reduced when first read, which every rank must then do."""
+        if self._fast_ready():
+            out = self._fast.stats(self.norm_type)
+            if out:
+                self.last_path = "fast"
+                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2])
+        return self._python_stats(rows)
+
+    @torch.no_grad()
+    def clip_(self, max_norm: float, error_if_nonfinite: bool = False, *,
+              rows: bool = True) -> GradStats:
+        """Clips the current gradients in place by total norm and returns their statistics from
+        before clipping: ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``."""
+        max_norm = check_max_norm(max_norm)
+        if not error_if_nonfinite and self._fast_ready():
+            out = self._fast.clip(self.norm_type, max_norm)
+            if out:
+                self.last_path = "fast"
+                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2],
+                                 clip_coef=out[3], max_norm=max_norm)
+        s = self.stats(rows=rows)
+        if len(s) and error_if_nonfinite:
+            raise_if_nonfinite(s)
+        return self.clip_to(s, max_norm)
+
+    @torch.no_grad()
+    def scale_by(self, coef: torch.Tensor) -> bool:
+        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for
+        gradfuse.ZClip), without per-parameter Python; False, nothing touched, when the fast path
+        cannot (the caller then scales through gradfuse.core.engine)."""
+        if not self._fast_ready():
+            return False
+        try:
+            return bool(self._fast.scale_by(coef))
+        except (AttributeError, RuntimeError):  # a gradfuse._C built before scale_by
+            return False
+
+    def _fast_ready(self) -> bool:
+        if self._module is not None and self._resolved_at != _registrations:
+            self.refresh()
+        return (self._fast is not None and self._row_names is not None
+                and not torch.compiler.is_compiling())
+
+    def _python_stats(self, rows: bool = True) -> GradStats:
+        """The functional path for this step; then a plan for the fast path from its result."""
+        self.last_path = "python"
+        names, _params, grads = with_grads(self.names, self.params)
+        s = fused_stats(names, grads, self.norm_type, self.group, rows=rows)
+        self._row_names = None
+        if (self._fast is not None and len(s) and not torch.compiler.is_compiling()
+                and not distributed.may_have_dtensors(grads)):
+            rows = [self._index[name] for name in s.names]
+            compiled = [t for t in ("cpu", "cuda") if library.has_kernel(t)]
+            if self._fast.plan(rows, s.plain_total_norm, compiled):
+                self._row_names = list(s.names)  # s.names is the caller's to change
+        return s
+
+    @torch.no_grad()
+    def clip_to(self, s: GradStats, max_norm: float) -> GradStats:
+        """Scales the gradients ``s`` was taken of, this step, so that their total norm is at
+        most ``max_norm``; ``s`` with ``clip_coef`` set (GradMonitor: stats, policies, clip)."""
+        if self._fast_ready():
+            out = self._fast.clip_to(s.total_norm, max_norm)
+            if out:
+                return s.replace(clip_coef=out[0], max_norm=max_norm)
+        _names, _params, grads = with_grads(self.names, self.params)
+        if distributed.may_have_dtensors(grads):  # DTensor: scale this rank's shard
+            grads = [distributed.local_tensor(g) for g in grads]
+        return scale_to_max_norm(s, grads, max_norm)
+
+
+def watch(source, *, norm_type: float = 2.0, group=None) -> GradWatch:
+    """A handle on the parameters of ``source`` (an ``nn.Module``, a tensor, or an iterable of
+    parameters or of ``(name, parameter)`` pairs), resolved once, for every step's statistics
+    and clipping::
+
+        g = gradfuse.watch(model)
+        for batch in loader:
+            loss = model(batch).mean(); loss.backward()
+            s = g.clip_(max_norm=1.0)   # == gradfuse.clip_(model, 1.0), without per-parameter Python
+            optimizer.step(); optimizer.zero_grad()
+
+    ``norm_type`` and ``group`` are those of :func:`gradfuse.stats`. See :class:`GradWatch` for
+    when the parameters are resolved again.
+    """
+    return GradWatch(source, norm_type=norm_type, group=group)

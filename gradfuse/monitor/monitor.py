@@ -1,0 +1,515 @@
+"""GradMonitor: fused gradient statistics every step, logging every N steps, and policies for
+non-finite and exploding gradients that name the parameters at fault.
+
+The monitor composes its parts: the watch handle (statistics), the policies
+(:mod:`gradfuse.monitor.policies`), the clip strategy (:mod:`gradfuse.monitor.clip_strategy`),
+the dynamics (:mod:`gradfuse.monitor.dynamics`), the activation hooks
+(:mod:`gradfuse.monitor.activation_hooks`) and the sink set (:mod:`gradfuse.monitor.sink_set`).
+It never stops a run because of its own output: a sink that raises is warned about once,
+retried with a back-off, and every record it did not write is counted.
+
+Layer: monitor. Imports the capabilities and the core, and the monitor's own parts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradfuse.clip.agc import check_agc_args
+from gradfuse.clip.per import check_per
+from gradfuse.clip.schedule import ScheduleError, check_max_norm_arg, max_norm_at
+from gradfuse.clip.value import check_clip_value, clamp_stats_
+from gradfuse.clip.zclip import ZClip
+from gradfuse.core import amp
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.params import check_norm_type, named_grads, with_grads
+from gradfuse.core.watch import watch
+from gradfuse.monitor.activation_hooks import MonitorHooks
+from gradfuse.monitor.clip_strategy import DoubleClipCheck, clip_other_modes_, double_clip_message
+from gradfuse.monitor.policies import anomaly_flags, check_policy, decide, describe
+from gradfuse.monitor.sink_set import SinkSet
+from gradfuse.monitor.dynamics import Dynamics
+from gradfuse.numerics import headroom
+from gradfuse.numerics.histogram import attach as attach_histogram
+from gradfuse.core.engine import fused_stats
+from gradfuse.utils import warn
+
+STATE_VERSION = 1
+COUNTERS = ("skipped_steps", "anomaly_steps", "nonfinite_steps", "explode_steps", "amp_overflow_steps")
+
+class GradientAnomaly(RuntimeError):
+    """Raised by the ``"raise"`` policy; ``report`` holds the step's :class:`StepReport`."""
+
+    def __init__(self, message: str, report: "StepReport"):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class StepReport:
+    """What :meth:`GradMonitor.step` saw and decided.
+
+    ``skip`` says to skip this optimizer step (the ``"skip"`` policy fired; gradients are left
+    as they were, unclipped, for inspection). ``stats`` is the step's :class:`GradStats` (device
+    tensors; reading them syncs). ``anomalies`` names what fired: ``"nonfinite"``,
+    ``"explode"``, or ``"amp_overflow"`` (a GradScaler step with Inf/NaN gradients: the scaler
+    skips it and lowers its scale; not counted as an anomaly of the model).
+    """
+    step: int
+    stats: GradStats | None = None
+    skip: bool = False
+    logged: bool = False
+    anomalies: list[str] = field(default_factory=list)
+    message: str = ""
+    # activations=True: the step's ActivationCapture on steps it was armed for (cap.forward /
+    # cap.backward); trace_nonfinite=True: ("forward" | "backward", module) on non-finite steps.
+    activations: object | None = None
+    first_nonfinite: tuple[str, str] | None = None
+
+
+class GradMonitor:
+    """Watches a model's gradients during training at the cost of one fused pass per step.
+
+    Args:
+        model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
+            :func:`gradfuse.watch` handle (see there for when its parameters are re-resolved).
+        max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
+            Also a schedule, a callable of the step number returning the value (``lambda step:
+            1.0 if step < 5000 else 0.5``; logged each logging step as ``max_norm``; a value that
+            is NaN, negative or not a number, or a schedule that raises, is an anomaly named
+            ``"max_norm"`` handled by ``on_nonfinite``: ``raise`` raises a ValueError naming the
+            step, ``skip`` skips the step, ``warn`` / ``ignore`` do not clip that step), or a
+            :class:`gradfuse.ZClip` (adaptive threshold, state on the device and in
+            :meth:`state_dict`). See :mod:`gradfuse.clip`.
+        per: with ``max_norm``: ``"param"`` / ``"layer"`` clips each parameter / layer (grouped
+            as ``layer_depth`` groups them) by its own norm.
+        clip_value: clamp every gradient to ``[-clip_value, clip_value]`` (as
+            ``clip_grad_value_``); the statistics are from before clamping, with the clamped
+            element counts.
+        agc: adaptive gradient clipping with this ``clip_factor`` (as
+            ``gradfuse.adaptive_clip_grad_``, ``eps=agc_eps``, of order ``norm_type``).
+        check_double_clip: warn once when the gradients were changed in place between the
+            backward and the monitor's clip (someone else clipped them too).
+        norm_type: order of the total norm.
+        every: log the full statistics to the sinks every ``every`` steps (0: never).
+        on_nonfinite: policy when any gradient holds NaN or Inf: ``"skip"`` (default: the update
+            is not applied, as ``GradScaler`` does), ``"raise"``, ``"warn"`` or ``"ignore"``.
+        explode_threshold: total norm above which a step counts as an explosion (None: off).
+        on_explode: policy for explosions (same choices). Default ``"skip"``: a threshold is a
+            circuit breaker. Clipping would still apply a full ``max_norm`` step in the direction
+            of a gradient that is mostly noise, and without clipping the spike enters Adam's
+            second moments and shrinks the learning rate for thousands of steps.
+        sinks: objects with ``write(record: dict)`` (see :mod:`gradfuse.monitor.sinks`).
+        layer_depth: how parameters are grouped into layers for the per-layer aggregates.
+            None (default): by module path up to the first block index (``transformer.h.3``,
+            ``layers.0``; ``lm_head`` for parameters outside numbered blocks); an int: that many
+            leading name parts.
+        scaler: a ``torch.amp.GradScaler``. Either call ``scaler.unscale_(optimizer)`` before
+            :meth:`step`, or pass ``optimizer`` too and let the monitor unscale, check and clip
+            in one fused pass (one read and one write of the gradients instead of three reads
+            and two writes; see :func:`gradfuse.unscale_clip_`).
+        optimizer: with ``scaler``: the optimizer whose gradients the monitor unscales.
+        enabled: False turns the monitor off: :meth:`step` then does nothing at all.
+        start_step: the first step number. A resumed run restores it (and the counters) with
+            :meth:`load_state_dict`.
+        histogram: on logging steps also the per-layer exponent histogram (record key
+            ``exponents``) and numeric headroom for fp16 / bf16 / fp8 (``headroom``; metrics
+            ``headroom/<layer>/<column>``), of the gradients as the optimizer gets them (after
+            unscaling and clipping): two more fused passes on logging steps only
+            (see :mod:`gradfuse.numerics.headroom`).
+        noise_scale: True or a :class:`gradfuse.NoiseScale`: the gradient noise scale, logged as
+            ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
+            :mod:`gradfuse.dynamics.noise_scale`; call :meth:`micro_step` after each backward under
+            gradient accumulation, or register the DDP hook).
+        update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
+            ratios and weight norms on logging steps, ``update_ratio/<layer>``,
+            ``weight_norm/<layer>`` (see :mod:`gradfuse.dynamics.update_ratio`).
+        activations: also log the statistics of every module's output and of the gradient with
+            respect to it (see :func:`gradfuse.capture_activations`) on the steps that are logged
+            (``every``): hooks are registered for those steps only (armed at the end of the step
+            before), no hook at all on the others. Records get ``act`` and ``act_grad`` per layer.
+        trace_nonfinite: on every step, one small fused reduction per module output and output
+            gradient (no host sync on a clean step); on a step with non-finite gradients, the
+            first module where a NaN / Inf appeared is named in the message and in
+            ``StepReport.first_nonfinite``.
+        activation_modules: which modules (names or modules; default: all) for both options.
+        module: the nn.Module whose activations are watched when ``model`` is not one (e.g. named
+            parameters; :func:`gradfuse.attach` passes its ``model``).
+
+    Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
+    steps where a policy must decide; the whole statistics on logging steps and anomalies.
+
+    Sinks never stop training: see :meth:`write` for what happens when one raises.
+    """
+
+    def __init__(self, model, *, max_norm: float | None = None, norm_type: float = 2.0,
+                 every: int = 100, on_nonfinite: str = "skip",
+                 explode_threshold: float | None = None, on_explode: str = "skip",
+                 sinks=(), layer_depth: int | None = None, scaler=None, optimizer=None,
+                 enabled: bool = True, start_step: int = 0, histogram: bool = False,
+                 per: str | None = None, clip_value: float | None = None, agc: float | None = None,
+                 agc_eps: float = 1e-3, check_double_clip: bool = True,
+                 noise_scale=False, update_ratios=False,
+                 activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
+                 module: nn.Module | None = None):
+        check_policy("on_nonfinite", on_nonfinite)
+        check_policy("on_explode", on_explode)
+        if explode_threshold is not None and not explode_threshold > 0:
+            raise ValueError(f"gradfuse.GradMonitor: explode_threshold must be > 0, got {explode_threshold!r}")
+        if every < 0:
+            raise ValueError(f"gradfuse.GradMonitor: every must be >= 0, got {every}")
+        if not isinstance(model, (nn.Module, torch.Tensor)):
+            model = list(model)  # iterated every step
+        self.source = model
+        self.max_norm = check_max_norm_arg(max_norm)
+        self.norm_type = check_norm_type(norm_type)
+        self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
+        self.per = check_per(per)
+        self.clip_value = None if clip_value is None else check_clip_value(clip_value)
+        self.agc = None if agc is None else check_agc_args(agc, agc_eps, self.norm_type)
+        modes = [m for m, v in (("max_norm", max_norm), ("clip_value", clip_value), ("agc", agc))
+                 if v is not None]
+        if len(modes) > 1:
+            raise ValueError(f"gradfuse.GradMonitor: pass one of max_norm, clip_value and agc, got {modes}")
+        if per is not None and (self.max_norm is None or isinstance(self.max_norm, ZClip)):
+            raise ValueError("gradfuse.GradMonitor: per= needs a max_norm (a number or a schedule)")
+        self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
+        self._double_clip = (DoubleClipCheck(self._watch.params, self._watch.names)
+                             if check_double_clip and modes else None)
+        self._double_clip_warned = False
+        self._max_norm_now = None  # the max_norm of the latest step (a number, or a device threshold)
+        self.every = every
+        self.on_nonfinite = on_nonfinite
+        self.explode_threshold = explode_threshold
+        self.on_explode = on_explode if explode_threshold is not None else "ignore"
+        self.sinks = list(sinks)
+        self._sink_set = SinkSet(self.sinks)
+        self.layer_depth = layer_depth
+        self.scaler = scaler
+        self.optimizer = optimizer
+        if optimizer is not None and scaler is None:
+            raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
+        named = model.named_parameters() if isinstance(model, nn.Module) else (
+            [] if isinstance(model, torch.Tensor) else model)
+        self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
+        self.enabled = enabled
+        self.histogram = histogram  # exponent histograms and headroom on logging steps
+        self.step_count = start_step
+        self.skipped_steps = 0
+        self.anomaly_steps = 0
+        self.nonfinite_steps = 0
+        self.explode_steps = 0
+        self.amp_overflow_steps = 0
+        self._clipped_restored = 0  # clipped steps before load_state_dict
+        self._clipped = None  # device counter: reading it syncs, counting it does not
+        self._restored = False
+        self._started = False
+        self._last_report: StepReport | None = None
+        self.dynamics = None  # gradfuse.monitor.dynamics: noise scale, update ratios
+        if noise_scale or update_ratios:
+            self.dynamics = Dynamics(noise_scale, update_ratios, optimizer=optimizer,
+                                     names_by_param=self._names_by_param, layer_depth=layer_depth)
+        self._act_hooks = None
+        if activations or trace_nonfinite:
+            self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
+                                           activations=activations, trace_nonfinite=trace_nonfinite)
+            if enabled:  # the first step's forward and backward come before its step()
+                self._act_hooks.arm(full=self.every > 0 and start_step % self.every == 0)
+
+    def arm_activations(self, full: bool = True) -> None:
+        """Arms the activation hooks for the coming forward and backward (an integration that
+        decides per step whether it logs calls this before the step; ``step`` arms by ``every``)."""
+        if self._act_hooks is not None and self.enabled:
+            self._act_hooks.arm(full)
+
+    @property
+    def clipped_steps(self) -> int:
+        """Steps on which clipping scaled the gradients (reads a device counter)."""
+        return self._clipped_restored + (0 if self._clipped is None else int(self._clipped))
+
+    @property
+    def dropped_records(self) -> int:
+        """Records that some sink did not write (it raised, or sat out its back-off)."""
+        return self._sink_set.dropped
+
+    def sink_health(self) -> list[dict]:
+        """Per sink, in the order of :attr:`sinks`: ``sink`` (its class name), ``written``,
+        ``dropped``, ``failures`` (consecutive), ``retry_in`` (records it still sits out) and
+        ``last_error``."""
+        return self._sink_set.health()
+
+    def _amp_active(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def _needs_flag(self) -> bool:
+        return (self.on_nonfinite != "ignore" or self.on_explode != "ignore"
+                or self._amp_active()
+                or (self._act_hooks is not None and self._act_hooks.trace_nonfinite))
+
+    def _unscale_here(self) -> bool:
+        """Whether this step unscales the gradients itself: the fused AMP path, taken unless
+        the gradients were unscaled already (``scaler.unscale_`` was called)."""
+        if self.optimizer is None or not self._amp_active():
+            return False
+        from torch.amp.grad_scaler import OptState
+        return self.scaler._per_optimizer_states[id(self.optimizer)]["stage"] is OptState.READY
+
+    @torch.no_grad()
+    def step(self, log: bool | None = None) -> StepReport:
+        """Takes this step's statistics (and clips when ``max_norm`` is set), applies the policies,
+        logs when due, and says whether to skip the optimizer step.
+
+        ``log``: True / False log this step or not (an integration following its framework's
+        logging cadence); None: every ``every`` steps. Anomalies are logged either way.
+        """
+        step = self.step_count
+        self.step_count += 1
+        if not self.enabled:
+            if self._act_hooks is not None:
+                self._act_hooks.take()  # turned off after hooks were armed: none stays
+            return StepReport(step)
+        if not self._started:
+            self._started = True
+            if not self._restored:
+                self._sink_set.warn_if_numbering_twice(step)
+        capture = self._act_hooks.take() if self._act_hooks is not None else None
+        fused_unscale = self._unscale_here()
+        log_now = (self.every > 0 and step % self.every == 0) if log is None else log
+        # DTensor gradients: a step that does not log reduces only the total norm (one scalar
+        # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
+        rows = bool(log_now and self.sinks)
+        self._check_double_clip(fused_unscale)
+        max_norm, bad_max_norm = self._max_norm_at(step)
+        plain = isinstance(max_norm, float) and self.per is None
+        # With no policy to apply before clipping, statistics and clip are one call.
+        clip_now = not fused_unscale and plain and not self._needs_flag()
+        value_now = (not fused_unscale and self.clip_value is not None and not self._needs_flag()
+                     and self.norm_type == 2.0)
+        if fused_unscale:
+            names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
+            s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
+        elif clip_now:
+            s = self._watch.clip_(max_norm, rows=rows)
+        elif value_now:  # one pass: clamp, with the statistics from before clamping
+            names, _params, grads = with_grads(self._watch.names, self._watch.params)
+            s = clamp_stats_(names, grads, self.clip_value)
+        else:
+            s = self._watch.stats(rows=rows)
+        report = StepReport(step, stats=s)
+        if capture is not None and capture.full:
+            report.activations = capture
+        if self._act_hooks is not None:  # hooks for the next step's forward and backward
+            self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
+
+        flags = int(anomaly_flags(s, self.explode_threshold)) if len(s) and self._needs_flag() else 0
+        decision = decide(flags, amp_active=self._amp_active(), bad_max_norm=bad_max_norm is not None,
+                          on_nonfinite=self.on_nonfinite, on_explode=self.on_explode)
+        report.anomalies = decision.anomalies
+        for anomaly, counter in (("amp_overflow", "amp_overflow_steps"), ("nonfinite", "nonfinite_steps"),
+                                 ("explode", "explode_steps")):
+            if anomaly in decision.anomalies:
+                setattr(self, counter, getattr(self, counter) + 1)
+        if bad_max_norm is not None and self.on_nonfinite == "raise":
+            if fused_unscale:
+                amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
+            raise bad_max_norm
+        if decision.counts_as_anomaly:
+            self.anomaly_steps += 1
+            report.message = describe(s, report.anomalies, self.explode_threshold)
+            if "nonfinite" in decision.anomalies and capture is not None:
+                report.first_nonfinite = capture.first_nonfinite  # where the NaN / Inf first appeared
+                origin = capture.describe_nonfinite()
+                if origin:
+                    report.message = f"{origin}; {report.message}"
+            if bad_max_norm is not None:
+                report.message = "; ".join(m for m in (report.message, str(bad_max_norm)) if m)
+        if decision.raises:
+            if fused_unscale:  # leave the gradients unscaled, in true units, for inspection
+                amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
+            self._write(report, event=True)
+            raise GradientAnomaly(report.message, report)
+        # An AMP overflow step is the scaler's to skip: scaler.step/update must still run.
+        report.skip = decision.skips
+        if report.skip:
+            self.skipped_steps += 1
+            warn(f"gradfuse step {step}: optimizer step skipped: {report.message}")
+        elif decision.warns:
+            warn(f"gradfuse step {step}: {report.message}")
+
+        clip = ((max_norm is not None or self.clip_value is not None or self.agc is not None)
+                and not report.skip and "amp_overflow" not in report.anomalies)
+        if fused_unscale:  # one multiply: unscale, and clip when due
+            s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
+                                    max_norm if clip and plain else None)
+        elif clip and plain and not clip_now:
+            s = self._watch.clip_to(s, max_norm)
+        if clip and not plain and not value_now:  # the other modes
+            s = clip_other_modes_(s, self._watch, max_norm, per=self.per, layer_depth=self.layer_depth,
+                                  clip_value=self.clip_value, agc=self.agc)
+        if clip and s.clipped is not None:
+            clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
+            report.stats = s
+            self._clipped = clipped.to(torch.int64) if self._clipped is None else self._clipped + clipped
+        if self.dynamics is not None:
+            self.dynamics.on_step(report, log_now,
+                                  self.scaler._scale if self._amp_active() else None)
+        if log_now or (report.anomalies and decision.policies):
+            self._write(report, event=bool(report.anomalies))
+            report.logged = True
+        self._last_report = report
+        return report
+
+    def _max_norm_at(self, step: int):
+        """(this step's max_norm: a float, a ZClip or None; the ScheduleError of a bad value)."""
+        m = self.max_norm
+        if callable(m) and not isinstance(m, ZClip):
+            try:
+                m = max_norm_at(m, step)
+            except ScheduleError as e:
+                self._max_norm_now = None
+                return None, e
+        self._max_norm_now = m
+        return m, None
+
+    def _logged_max_norm(self, report: StepReport):
+        m = report.stats.max_norm if report.stats is not None else None
+        if m is None:
+            m = self._max_norm_now
+        if isinstance(m, ZClip):  # its threshold of that step (inf: nothing clipped)
+            m = m.last_threshold
+        return float(m) if isinstance(m, torch.Tensor) else m
+
+    def _check_double_clip(self, fused_unscale: bool) -> None:
+        if self._double_clip is None:
+            return
+        # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
+        allowed = 1 if self._amp_active() and not fused_unscale else 0
+        name = self._double_clip.changed(allowed)
+        if name is not None and not self._double_clip_warned:
+            self._double_clip_warned = True
+            warn(double_clip_message(self._call_name, name))
+
+    def micro_step(self) -> None:
+        """Says a micro-batch's backward has finished (gradient accumulation), for the noise
+        scale: call it after each ``backward()``; the first micro-batch's squared norm is taken
+        by one fused pass on steps that accumulate. Does nothing without ``noise_scale``."""
+        if self.enabled and self.dynamics is not None:
+            self.dynamics.micro_step(self._watch)
+
+    @property
+    def noise_scale(self):
+        """The :class:`gradfuse.NoiseScale` estimator, or None."""
+        return None if self.dynamics is None else self.dynamics.noise_scale
+
+
+    def counters(self) -> dict[str, int]:
+        """The run's counters so far: ``steps`` (steps taken), ``clipped_steps`` (reads a device
+        counter), ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
+        ``amp_overflow_steps``, ``dropped_records``."""
+        out = {"steps": self.step_count, "clipped_steps": self.clipped_steps}
+        out.update({name: getattr(self, name) for name in COUNTERS})
+        out["dropped_records"] = self.dropped_records
+        return out
+
+    def record(self, report: StepReport, event: bool = False) -> dict:
+        """The record the sinks get for ``report`` (reads its statistics: one transfer)."""
+        d = report.stats.to_dict()
+        extra = {} if self.dynamics is None else self.dynamics.record(report)
+        return {
+            "step": report.step,
+            "total_norm": d["total_norm"],
+            "norm_type": d["norm_type"],
+            "max_norm": self._logged_max_norm(report),
+            "clip_coef": d["clip_coef"],
+            "clipped": d["clipped"],
+            "nonfinite": d["nonfinite"],
+            "skipped": report.skip,
+            "anomalies": report.anomalies,
+            "message": report.message,
+            "event": event,
+            "counters": self.counters(),
+            "params": d["params"],
+            "layers": report.stats.layers(self.layer_depth),
+            **(self._headroom_fields() if self.histogram else {}),
+            **extra,
+            **self._activation_record(report),
+        }
+
+    def _headroom_fields(self) -> dict:
+        names, _params, grads = named_grads(self.source)
+        detached = [g.detach() for g in grads]
+        h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
+                             names, detached)
+        frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, self.layer_depth)
+        return {"headroom": frac, "exponents": exps}
+
+
+    def _activation_record(self, report: StepReport) -> dict:
+        out = {}
+        if report.first_nonfinite is not None:
+            out["first_nonfinite"] = list(report.first_nonfinite)
+        if report.activations is not None:
+            out["act"] = report.activations.forward.layers(self.layer_depth)
+            out["act_grad"] = report.activations.backward.layers(self.layer_depth)
+        return out
+
+    def _write(self, report: StepReport, event: bool) -> None:
+        if self.sinks:
+            self.write(self.record(report, event))
+
+    def write(self, record: dict) -> None:
+        """Hands ``record`` to every sink. A sink that raises (a full disk, a closed writer, a
+        metrics client that times out: any ``Exception``) does not stop training or the other
+        sinks. The rule: its first failure warns once, with the reason; after its k-th
+        consecutive failure it sits out the next ``min(2**(k-1), 64)`` records, then is tried
+        again; a success resets k. Every record a sink did not write counts in
+        :attr:`dropped_records` (per sink: :meth:`sink_health`)."""
+        self._sink_set.write(record)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue: the next step number and the counters (reads
+        the device counter of clipped steps). Save it with the training checkpoint."""
+        state = {"version": STATE_VERSION, "step": self.step_count, "clipped_steps": self.clipped_steps}
+        state.update({name: getattr(self, name) for name in COUNTERS})
+        if isinstance(self.max_norm, ZClip):
+            state["zclip"] = self.max_norm.state_dict()
+        if self.dynamics is not None:
+            state["dynamics"] = self.dynamics.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`: the next :meth:`step` continues the numbering and counts."""
+        missing = {"step", "clipped_steps", *COUNTERS} - set(state)
+        if missing:
+            raise KeyError(f"gradfuse.GradMonitor.load_state_dict: missing {sorted(missing)}")
+        if state.get("version", STATE_VERSION) > STATE_VERSION:
+            raise ValueError(f"gradfuse.GradMonitor.load_state_dict: state version {state['version']} "
+                             f"is newer than this gradfuse understands ({STATE_VERSION})")
+        self.step_count = int(state["step"])
+        for name in COUNTERS:
+            setattr(self, name, int(state[name]))
+        self._clipped_restored = int(state["clipped_steps"])
+        if self.dynamics is not None and "dynamics" in state:
+            self.dynamics.load_state_dict(state["dynamics"])
+        self._clipped = None
+        self._restored = True
+        if isinstance(self.max_norm, ZClip) and "zclip" in state:
+            self.max_norm.load_state_dict(state["zclip"])
+
+    def flush(self) -> None:
+        """Logs the last step if it was not logged, so that the log ends where the run ended
+        (its counters cover every step). :meth:`close` does this first."""
+        last = self._last_report
+        if last is not None and not last.logged and last.stats is not None:
+            self._write(last, event=False)
+            last.logged = True
+
+    def close(self) -> None:
+        """Logs the last step (:meth:`flush`) and closes the sinks (a sink that fails to close
+        is warned about, never raised)."""
+        if self._act_hooks is not None:
+            self._act_hooks.take()  # no hook outlives the monitor
+        self.flush()
+        self._sink_set.close()

@@ -1,0 +1,101 @@
+"""The compiled multi-tensor ops, each routed to gradfuse._C or to its pure-PyTorch reference
+per device; every op takes ONE (device, dtype) group of dense float tensors and none waits for
+the host.
+
+Layer: ops, the bottom of the package. Its modules import torch and each other, nothing else of
+gradfuse: :mod:`~gradfuse.ops.library` (loading the extension, build checks, the backend per
+device), :mod:`~gradfuse.ops.fake` (fake kernels for torch.compile and opcheck),
+:mod:`~gradfuse.ops.reference` (the fallback and test oracle), :mod:`~gradfuse.ops.layout` (the
+columns and bins of the results).
+"""
+from __future__ import annotations
+
+import torch
+
+from gradfuse.ops import fake, reference  # noqa: F401  (fake: registers the fake kernels)
+from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF,  # noqa: F401
+                                 BIN_ZERO, EXPONENT_OFFSET, INF, MAX_EXPONENT, MAXABS,
+                                 MIN_EXPONENT, NAN, NUM_BINS, NUMEL, POWSUM, SUM, SUMSQ, ZERO)
+from gradfuse.ops.library import backend, build_info, has_kernel, op_compiled, use_compiled  # noqa: F401
+
+
+def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float = 2.0):
+    """Per-tensor statistics of one (device, dtype) group in one pass.
+
+    Returns ``(floats, counts)``: float64 ``[n, 4]`` (sum, sum of squares, max |x|, sum |x|^p
+    when p is not 0, 2 or inf) and int64 ``[n, 4]`` (NaN, Inf and zero counts, numel), on the
+    tensors' device.
+    """
+    if not tensors or not use_compiled(tensors[0].device):
+        return reference.multi_tensor_stats(tensors, norm_type)
+    return torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type))
+
+
+def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor,
+                        conditional: bool = True) -> None:
+    """Multiplies every tensor of one (device, dtype) group in place by ``coef`` (a one-element
+    tensor on their device). ``conditional``: only when ``coef < 1`` or NaN, reading and writing
+    nothing otherwise; else always."""
+    if not tensors or not use_compiled(tensors[0].device):
+        return reference.multi_tensor_scale_(tensors, coef, conditional)
+    torch.ops.gradfuse.multi_tensor_scale_(tensors, coef, conditional)
+
+
+# ---- Clipping beyond one global norm: per unit, per tensor, by value.
+
+def multi_tensor_unit_stats(tensors: list[torch.Tensor], units: list[int], norm_type: float = 2.0):
+    """Statistics per *unit*: tensor i, in its logical (row-major) order, cut into ``units[i]``
+    equal consecutive blocks (``units[i] = w.size(0)``: one row per output unit, the norm over
+    dims 1.. as timm's AGC takes it; ``1``: the whole tensor; ``0`` only for an empty tensor).
+
+    Returns ``(floats, counts)``: float64 and int64 ``[sum(units), 4]``, the rows of every unit
+    of every tensor in order, columns as :func:`multi_tensor_stats`. A tensor that is not
+    contiguous (with units > 1) is copied to a contiguous one first.
+    """
+    if not tensors or not op_compiled("multi_tensor_unit_stats", tensors[0].device):
+        return reference.multi_tensor_unit_stats(tensors, units, norm_type)
+    return torch.ops.gradfuse.multi_tensor_unit_stats(tensors, [int(u) for u in units], float(norm_type))
+
+
+def multi_tensor_unit_scale_(tensors: list[torch.Tensor], units: list[int], coefs: torch.Tensor,
+                             conditional: bool = True) -> None:
+    """Multiplies unit j of tensor i (units as :func:`multi_tensor_unit_stats`) in place by its
+    coefficient: ``coefs`` is 1-D with ``sum(units)`` entries on the tensors' device (any float
+    dtype; the kernels compute in float32, float64 for float64 data). ``conditional``: a unit
+    whose coefficient is >= 1 is not touched at all (decided on the device); NaN scales."""
+    if not tensors or not op_compiled("multi_tensor_unit_scale_", tensors[0].device):
+        return reference.multi_tensor_unit_scale_(tensors, units, coefs, conditional)
+    torch.ops.gradfuse.multi_tensor_unit_scale_(tensors, [int(u) for u in units], coefs, conditional)
+
+
+def multi_tensor_scale_per_tensor_(tensors: list[torch.Tensor], coefs: torch.Tensor,
+                                   conditional: bool = True) -> None:
+    """Multiplies tensor i in place by ``coefs[i]`` (1-D, ``len(tensors)`` entries, on their
+    device). ``conditional``: a tensor whose coefficient is >= 1 is not read nor written (decided
+    on the device); a NaN coefficient scales, as the scalar op does."""
+    if tensors and op_compiled("multi_tensor_unit_scale_", tensors[0].device):
+        # units of 1 are ints already: no per-tensor int() (10 000 parameters: ~0.5 ms)
+        torch.ops.gradfuse.multi_tensor_unit_scale_(tensors, [1] * len(tensors), coefs, conditional)
+        return
+    multi_tensor_unit_scale_(tensors, [1] * len(tensors), coefs, conditional)
+
+
+def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
+    """Clamps every element to ``[-clip_value, clip_value]`` in place in one pass, exactly as
+    ``torch.nn.utils.clip_grad_value_`` (NaN stays NaN, -0.0 stays), and returns
+    ``(floats, counts, clamped)``: the :func:`multi_tensor_stats` rows (norm_type 2) of the values
+    *before* clamping, and int64 ``[n]`` with the number of elements clamping changed per tensor
+    (|x| > clip_value as rounded to the dtype; NaN not counted). ``clip_value`` must be >= 0."""
+    reference.check_clip_value(clip_value, "gradfuse.multi_tensor_clamp_")
+    if not tensors or not op_compiled("multi_tensor_clamp_", tensors[0].device):
+        return reference.multi_tensor_clamp_(tensors, clip_value)
+    return torch.ops.gradfuse.multi_tensor_clamp_(tensors, float(clip_value))
+
+
+def multi_tensor_exponent_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[len(tensors), NUM_BINS]`` on the tensors' device: per tensor, how many elements
+    have each binary exponent (bins as :mod:`gradfuse.ops.layout`), for one (device, dtype)
+    group of dense float16 / bfloat16 / float32 / float64 tensors; no host synchronisation."""
+    if not tensors or not op_compiled("multi_tensor_exponent_histogram", tensors[0].device):
+        return reference.multi_tensor_exponent_histogram(tensors)
+    return torch.ops.gradfuse.multi_tensor_exponent_histogram(tensors)

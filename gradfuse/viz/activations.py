@@ -1,0 +1,88 @@
+"""Activation pictures from a GradMonitor(activations=True) JSONL log (matplotlib, optional):
+per layer and logged step, the RMS of the module outputs and of the gradients with respect to them
+(log colour), and the fraction of dead units."""
+from __future__ import annotations
+
+import os
+
+from gradfuse.monitor.sinks import read_jsonl
+from gradfuse.utils import require
+
+
+def has_activations(records: list[dict]) -> bool:
+    return any(r.get("act") for r in records)
+
+
+def activations_path(out_path: str | os.PathLike) -> str:
+    """Where ``python -m gradfuse plot`` puts the activation picture next to ``out_path``."""
+    root, ext = os.path.splitext(os.fspath(out_path))
+    return f"{root}_activations{ext or '.png'}"
+
+
+def plot_activations(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dpi: int = 110) -> str:
+    """Draws :func:`activation_figure` of a JSONL log into ``out_path`` (PNG); returns the path."""
+    records = [r for r in read_jsonl(jsonl_path) if r.get("act")]
+    if not records:
+        raise ValueError(f"gradfuse plot: no activation records in {jsonl_path} "
+                         "(GradMonitor(..., activations=True) writes them on logged steps)")
+    fig = activation_figure(records)
+    import matplotlib.pyplot as plt
+    fig.savefig(out_path, dpi=dpi)
+    plt.close(fig)
+    return os.fspath(out_path)
+
+
+def activation_figure(records: list[dict]):
+    """Four panels sharing the step axis: activation RMS per layer, dead-unit fraction per layer,
+    output-gradient RMS per layer, and its zero fraction."""
+    matplotlib = require("matplotlib", "matplotlib", "plot_activations")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    by_step = {}
+    for r in records:
+        if r.get("act"):
+            by_step[r["step"]] = r
+    records = [by_step[k] for k in sorted(by_step)]
+    steps = np.array([r["step"] for r in records], float)
+    layers = list(dict.fromkeys(name for r in records for name in r["act"]))
+    if len(steps) > 1:
+        mid = (steps[1:] + steps[:-1]) / 2
+        x_edges = np.concatenate([[steps[0]], mid, [steps[-1]]])
+    else:
+        x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    y_edges = np.arange(len(layers) + 1) - 0.5
+
+    def grid(kind, key):
+        g = np.full((len(layers), len(records)), np.nan)
+        for j, r in enumerate(records):
+            for i, name in enumerate(layers):
+                row = r.get(kind, {}).get(name)
+                if row is not None and row.get(key) is not None:
+                    g[i, j] = row[key]
+        return g
+
+    panels = [("act", "rms", "activation RMS per layer (log colour; white: zero or non-finite)", True),
+              ("act", "dead_fraction", "fraction of dead units per layer (zero for the whole batch)", False),
+              ("act_grad", "rms", "RMS of the gradient w.r.t. the activations (log colour)", True),
+              ("act_grad", "zero_fraction", "fraction of exactly-zero activation gradients", False)]
+    height = max(len(layers), 3)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2 + 0.22 * height * len(panels)), sharex=True)
+    for ax, (kind, key, title, log) in zip(axes, panels):
+        g = grid(kind, key)
+        if log:
+            positive = g[np.isfinite(g) & (g > 0)]
+            norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+            im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(g > 0, g, np.nan)),
+                               norm=norm, cmap="viridis")
+        else:
+            im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(g), vmin=0, vmax=1, cmap="magma")
+        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, pad=0.01)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    return fig
