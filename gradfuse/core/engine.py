@@ -25,12 +25,12 @@ def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
     """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
     returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
     reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
-    flag are reduced over that process group (see gradfuse.distributed). ``slow_path``: also
+    flag are reduced over that process group (see gradfuse.core.distributed). ``slow_path``: also
     take sparse and complex tensors (per tensor, in PyTorch). ``elementwise_zero_norm``: the
     total 0-norm counts non-zero elements, not tensors with one (see norm_accumulator).
     ``rows=False``, when only the total is needed: DTensor gradients then cost one functional
     scalar all-reduce per sharded mesh dimension, as in torch, and their rows are reduced only
-    when read (gradfuse.sharded)."""
+    when read (gradfuse.core.sharded)."""
     locals_, layouts = tensors, [None] * len(tensors)
     dtensor_spec = None
     if distributed.may_have_dtensors(tensors):
@@ -93,7 +93,7 @@ def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
 
 
 def layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple, list[int]]:
-    """Indices per (layout order, device, dtype) (DTensors: gradfuse.sharded). Raises
+    """Indices per (layout order, device, dtype) (DTensors: gradfuse.core.sharded). Raises
     GradientTypeError naming a parameter of a dtype no path takes."""
     if not tensors:
         return {}

@@ -85,9 +85,9 @@ class GradStats:
         self.total_norm = total_norm if dtensor_spec is None else as_dtensor(total_norm, dtensor_spec)
         self.clip_coef = clip_coef
         self.max_norm = max_norm
-        self._rows_f = floats  # [n, 4] float64, columns as in gradfuse.reference
+        self._rows_f = floats  # [n, 4] float64, columns as in gradfuse.ops.layout
         self._rows_c = counts  # [n, 4] int64
-        # DTensor gradients whose total norm alone was reduced (gradfuse.sharded): rows of this
+        # DTensor gradients whose total norm alone was reduced (gradfuse.core.sharded): rows of this
         # rank's shards, reduced over the mesh when first read (a collective on every rank).
         self._pending_rows = pending_rows
         self._host_cache: dict | None = None

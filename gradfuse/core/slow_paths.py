@@ -1,7 +1,7 @@
 """The per-tensor PyTorch paths that the fused kernels do not serve: negative orders and -inf
 (the kernels keep no minimum and take |x|^p with a sign-preserving abs), sparse (COO) and
 complex gradients. Each is warned about once, naming the user's line; the rows they produce
-have the layout of the fused op's (gradfuse.reference)."""
+have the layout of the fused op's (gradfuse.ops.layout)."""
 from __future__ import annotations
 
 import torch

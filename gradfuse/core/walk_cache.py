@@ -1,8 +1,8 @@
-"""The functional calls at the watch handle's host cost (issue 18).
+"""The functional calls at the watch handle's host cost.
 
 ``gradfuse.stats(named)``, ``gradfuse.clip_(named, ...)`` and ``gradfuse.clip_grad_norm_(params,
 ...)`` on a list (or tuple) of parameters or ``(name, parameter)`` pairs: the first call takes
-the functional path (gradfuse.api) and leaves a plan here, made from its result as
+the functional path (gradfuse.core.engine) and leaves a plan here, made from its result as
 :class:`gradfuse.GradWatch` makes one; later calls on a list of the same shape are served in C++
 (``csrc/watch.cpp``, ``ListWalk``), which reads each item of the caller's list, checks it against
 the plan (its kind, its name, its type: exactly ``torch.Tensor`` or ``nn.Parameter``) and each

@@ -147,7 +147,7 @@ class NoiseScale:
         self._ddp_world = 1
         self._ddp_local: torch.Tensor | None = None
         self._ddp_new_round = True
-        self._ddp_handle = None
+        self.ddp_model = None  # the DistributedDataParallel model whose hook is installed
 
     # --- sources -------------------------------------------------------------------------------
     def _expects_accumulation(self) -> bool:
@@ -175,7 +175,7 @@ class NoiseScale:
         self._ddp_group = group
         self._ddp_world = dist.get_world_size(group)
         ddp_model.register_comm_hook(self, _noise_scale_comm_hook)
-        self._ddp_handle = ddp_model
+        self.ddp_model = ddp_model
 
     def skip_step(self) -> None:
         """Forgets this step's measurements (a skipped step: its gradients are not averaged in)."""

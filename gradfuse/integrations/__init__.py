@@ -1,4 +1,8 @@
 """Where training loops live: plain PyTorch (``gradfuse.attach``), PyTorch Lightning
 (``gradfuse.integrations.lightning.GradfuseCallback``) and the Hugging Face Trainer
 (``gradfuse.integrations.transformers.attach``). Each module imports its framework only when it
-is imported itself."""
+is imported itself.
+
+Layer: integrations, above the monitor. Imports :mod:`gradfuse.monitor`, :mod:`gradfuse.clip`,
+:mod:`gradfuse.dynamics` and :mod:`gradfuse.utils`.
+"""

@@ -133,7 +133,7 @@ class GradfuseCallback(Callback):
         self._register_noise_scale_ddp_hook(trainer, pl_module)
 
     def _register_noise_scale_ddp_hook(self, trainer, pl_module) -> None:
-        # Noise scale under DDP: the bucket norms before the all-reduce (gradfuse.noise_scale).
+        # Noise scale under DDP: the bucket norms before the all-reduce (gradfuse.dynamics.noise_scale).
         if not self.monitor_kwargs.get("noise_scale") or len(trainer.optimizers) != 1:
             return
         import torch
@@ -207,8 +207,7 @@ class GradfuseCallback(Callback):
         self._gates = []
         self._skip.clear()
         for mon in self.monitors.values():
-            if mon._act_hooks is not None:
-                mon._act_hooks.take()  # no activation hook outlives the fit
+            mon.disarm_activations()  # no activation hook outlives the fit
         if self._trainer_clip is not None:
             trainer.gradient_clip_val = self._trainer_clip
             self._trainer_clip = None

@@ -236,7 +236,7 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
             ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
             schedule or a :class:`gradfuse.ZClip`, and ``per``, ``clip_value``, ``agc`` choose
-            other clipping modes, see :mod:`gradfuse.clipping`). ``update_ratios=True``
+            other clipping modes, see :mod:`gradfuse.clip`). ``update_ratios=True``
             takes the attached optimizers; ``noise_scale=True`` counts micro-batches by the
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.

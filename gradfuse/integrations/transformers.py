@@ -92,8 +92,8 @@ class GradfuseCallback(TrainerCallback):
         wrapped = getattr(trainer, "model_wrapped", None)
         import torch
         if (ns is not None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
-                and ns._ddp_handle is not wrapped):
-            ns.register_ddp(wrapped)  # bucket norms before the all-reduce (gradfuse.noise_scale)
+                and ns.ddp_model is not wrapped):
+            ns.register_ddp(wrapped)  # bucket norms before the all-reduce (gradfuse.dynamics.noise_scale)
         saved = (state.stateful_callbacks or {}).get(STATE_KEY)
         if saved and state.global_step > 0:  # resuming from a checkpoint
             self.monitor.load_state_dict(saved)
@@ -145,7 +145,7 @@ class GradfuseCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
-        if self.monitor is not None and self.monitor._act_hooks is not None:
+        if self.monitor is not None and self.monitor.watches_activations:
             coming = state.global_step + 1
             logged = (coming == 1 and args.logging_first_step) or (
                 args.logging_strategy == "steps" and state.logging_steps and coming % state.logging_steps == 0)
@@ -196,8 +196,8 @@ class GradfuseCallback(TrainerCallback):
         if self._gate is not None:
             self._gate.remove()
             self._gate = None
-        if self.monitor is not None and self.monitor._act_hooks is not None:
-            self.monitor._act_hooks.take()  # no activation hook outlives train()
+        if self.monitor is not None:
+            self.monitor.disarm_activations()  # no activation hook outlives train()
         if self._original_clip is not None:
             had_own, original = self._original_clip
             accelerator = self.trainer.accelerator

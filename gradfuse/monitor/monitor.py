@@ -224,6 +224,16 @@ class GradMonitor:
         if self._act_hooks is not None and self.enabled:
             self._act_hooks.arm(full)
 
+    def disarm_activations(self) -> None:
+        """Removes the activation hooks armed for a coming step (an integration ending its run)."""
+        if self._act_hooks is not None:
+            self._act_hooks.take()
+
+    @property
+    def watches_activations(self) -> bool:
+        """Whether the monitor arms activation hooks (``activations=`` or ``trace_nonfinite=``)."""
+        return self._act_hooks is not None
+
     @property
     def clipped_steps(self) -> int:
         """Steps on which clipping scaled the gradients (reads a device counter)."""

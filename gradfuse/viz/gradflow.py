@@ -107,7 +107,7 @@ def noise_scale_path(out_path: str | os.PathLike) -> str:
 
 def noise_scale_figure(records: list[dict]):
     """The gradient noise scale B_simple = tr(Sigma) / |G|^2 over the logged steps (log scale),
-    with its two EMA estimates, |G|^2 and tr(Sigma), below (see :mod:`gradfuse.noise_scale`)."""
+    with its two EMA estimates, |G|^2 and tr(Sigma), below (see :mod:`gradfuse.dynamics.noise_scale`)."""
     matplotlib = require("matplotlib", "matplotlib", "plot_gradflow")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Checks the package's layers from its source alone (no import of gradfuse):
+
+- every module belongs to a layer (LAYERS below) and imports only from its own layer or those
+  below it; the capabilities side by side (clip, numerics, activations, dynamics) do not import
+  each other; function-level imports count;
+- there is no import cycle between modules;
+- no module uses another module's private names: ``from m import _x``, ``m._x`` on an imported
+  gradfuse module, or ``obj._x`` where ``_x`` is defined only in other gradfuse modules (a
+  class's ``self._x`` is its own, or what its base class leaves to subclasses);
+- every package's docstring says its layer (a line starting ``Layer:``);
+- no file of the package, csrc/, tests/, docs/ or README.md speaks of issue numbers or work
+  sessions (the history belongs in git and CHANGELOG.md).
+
+Usage: python scripts/check_architecture.py [ROOT]   (exit status 1 with a list of findings)
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+# (layer, module prefix). A module takes the layer of its longest matching prefix. Modules of one
+# capability group may import each other; across groups only downwards.
+LAYERS = [
+    (0, "gradfuse._C"), (0, "gradfuse._build_record"), (0, "gradfuse.ops"), (0, "gradfuse.utils"),
+    (1, "gradfuse.core"),
+    (2, "gradfuse.clip"), (2, "gradfuse.numerics"), (2, "gradfuse.activations"), (2, "gradfuse.dynamics"),
+    (3, "gradfuse.functional"),
+    (4, "gradfuse.monitor"),
+    (5, "gradfuse.viz"),
+    (6, "gradfuse.integrations"),
+    # the top: the public names, the CLI, the demo, and the module paths kept for users
+    (7, "gradfuse"), (7, "gradfuse.cli"), (7, "gradfuse.__main__"), (7, "gradfuse.demo"),
+    (7, "gradfuse.sinks"), (7, "gradfuse.histogram"), (7, "gradfuse.headroom"),
+]
+LAYER_NAMES = {0: "ops", 1: "core", 2: "capabilities", 3: "functional", 4: "monitor", 5: "viz",
+               6: "integrations", 7: "top"}
+HISTORY_WORDS = re.compile(r"\bissue[ #]*[0-9]+|\bsessions?\b", re.IGNORECASE)
+HISTORY_EXEMPT = re.compile(r"Session\(|_session|session_")
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    best = None
+    for layer, prefix in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[1]):
+                best = (layer, prefix)
+    if best is None:
+        raise KeyError(module)
+    return best
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / "gradfuse").rglob("*.py")):
+        if path.name == "_build_record.py":
+            continue
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def analyse(root: Path):
+    mods = modules(root)
+    imports: dict[str, set[str]] = {m: set() for m in mods}
+    findings: list[str] = []
+    defined: dict[str, set[str]] = {}
+    trees = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        trees[name] = tree
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+        defined[name] = {n for n in names if n.startswith("_") and not n.startswith("__")}
+    for name, tree in trees.items():
+        rel = mods[name].relative_to(root)
+        is_package = mods[name].name == "__init__.py"
+        aliases: dict[str, str] = {}  # local name -> gradfuse module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "gradfuse":
+                        imports[name].add(a.name if a.name in mods else a.name.rsplit(".", 1)[0])
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else "gradfuse"
+            elif isinstance(node, ast.ImportFrom):
+                target = resolve(name, is_package, node)
+                if target.split(".")[0] != "gradfuse":
+                    continue
+                for a in node.names:
+                    full = f"{target}.{a.name}"
+                    if full in mods or full in ("gradfuse._C", "gradfuse._build_record"):
+                        imports[name].add(full)
+                        aliases[a.asname or a.name] = full
+                    else:
+                        imports[name].add(target)
+                        if a.name.startswith("_") and not a.name.startswith("__") and target != name:
+                            findings.append(f"{rel}:{node.lineno}: private name {a.name} of {target}")
+        own = defined[name]
+        others = set().union(*(d for m, d in defined.items() if m != name))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in aliases:
+                target = aliases[value.id]
+                if target != name and node.attr != "_C":
+                    findings.append(f"{rel}:{node.lineno}: private name {node.attr} of {target}")
+                continue
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue  # a class's own members, or those its base class leaves to subclasses
+            if node.attr in others and node.attr not in own:
+                findings.append(f"{rel}:{node.lineno}: private attribute {node.attr}, defined in another "
+                                "gradfuse module")
+    for name, targets in imports.items():
+        src_layer, src_group = layer_of(name)
+        for target in targets:
+            if target in ("gradfuse._C", "gradfuse._build_record"):
+                if src_layer != 0:
+                    findings.append(f"{mods[name].relative_to(root)}: imports the compiled module "
+                                    f"{target}; only gradfuse.ops may")
+                continue
+            if target not in mods:
+                continue
+            dst_layer, dst_group = layer_of(target)
+            if dst_layer > src_layer or (dst_layer == src_layer == 2 and dst_group != src_group):
+                findings.append(f"{mods[name].relative_to(root)}: {name} ({LAYER_NAMES[src_layer]}) "
+                                f"imports {target} ({LAYER_NAMES[dst_layer]})")
+    findings += [f"import cycle: {' -> '.join(c)}" for c in cycles(imports)]
+    for name, path in mods.items():
+        if path.name == "__init__.py" and name != "gradfuse":
+            doc = ast.get_docstring(trees[name]) or ""
+            if not re.search(r"^Layer:", doc, re.M):
+                findings.append(f"{path.relative_to(root)}: the package docstring says no 'Layer:'")
+    return imports, findings
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp) + [sorted(comp)[0]])
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def history_words(root: Path) -> list[str]:
+    found = []
+    paths = [root / "README.md"] + [p for d in ("gradfuse", "csrc", "tests", "docs")
+                                    for p in sorted((root / d).rglob("*")) if p.is_file()]
+    for path in paths:
+        if not path.exists() or path.suffix in (".png", ".so", ".pyc", ".o") or "__pycache__" in path.parts:
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if HISTORY_WORDS.search(line) and not HISTORY_EXEMPT.search(line):
+                found.append(f"{path.relative_to(root)}:{i}: {line.strip()[:100]}")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0] if argv else Path(__file__).resolve().parent.parent)
+    _imports, findings = analyse(root)
+    findings += [f"history word: {f}" for f in history_words(root)]
+    for f in findings:
+        print(f)
+    print(f"{len(findings)} finding(s)")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
