@@ -1,0 +1,97 @@
+"""The package's layers, checked from the source by scripts/check_architecture.py: no upward
+import, no cycle, no use of another module's private names, a layer stated by every package, no
+issue numbers or work-session words; and the checker itself finds each kind of violation."""
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("check_architecture", ROOT / "scripts" / "check_architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _checker()
+
+
+def test_the_package_keeps_its_layers():
+    _imports, findings = check.analyse(ROOT)
+    assert findings == []
+
+
+def test_no_issue_numbers_or_session_words():
+    assert check.history_words(ROOT) == []
+
+
+def test_every_module_has_a_layer():
+    imports, _ = check.analyse(ROOT)
+    assert len(imports) > 40
+    for module in imports:
+        check.layer_of(module)  # raises KeyError for a module no layer names
+
+
+def _tree(tmp_path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+LAYERED = {
+    "gradfuse/__init__.py": '"""top"""\nfrom gradfuse.monitor import m\n',
+    "gradfuse/ops/__init__.py": '"""ops.\n\nLayer: ops.\n"""\n',
+    "gradfuse/core/__init__.py": '"""core.\n\nLayer: core.\n"""\n',
+    "gradfuse/core/engine.py": "from gradfuse import ops\n\ndef _helper():\n    pass\n\ndef run():\n    _helper()\n",
+    "gradfuse/clip/__init__.py": '"""clip.\n\nLayer: clip.\n"""\n',
+    "gradfuse/clip/norm.py": "from gradfuse.core import engine\n",
+    "gradfuse/numerics/__init__.py": '"""numerics.\n\nLayer: numerics.\n"""\n',
+    "gradfuse/monitor/__init__.py": '"""monitor.\n\nLayer: monitor.\n"""\nfrom gradfuse.clip import norm\nm = 1\n',
+}
+
+
+def test_a_clean_tree_passes(tmp_path):
+    root = _tree(tmp_path, LAYERED)
+    assert check.analyse(root)[1] == []
+
+
+@pytest.mark.parametrize("rel, text, expected", [
+    # the core importing a capability (a function-level import counts)
+    ("gradfuse/core/engine.py", "def f():\n    from gradfuse.clip import norm\n", "imports gradfuse.clip.norm (capabilities)"),
+    # capabilities side by side do not import each other
+    ("gradfuse/numerics/hist.py", "from gradfuse.clip import norm\n", "imports gradfuse.clip.norm"),
+    # another module's private name, imported or read through the module
+    ("gradfuse/clip/per.py", "from gradfuse.core.engine import _helper\n", "private name _helper"),
+    ("gradfuse/clip/per.py", "from gradfuse.core import engine\nengine._helper()\n", "private name _helper"),
+    # only the ops layer loads the compiled module
+    ("gradfuse/core/load.py", "from gradfuse import _C\n", "imports the compiled module"),
+    # a package that does not say its layer
+    ("gradfuse/viz/__init__.py", '"""pictures"""\n', "says no 'Layer:'"),
+])
+def test_each_violation_is_found(tmp_path, rel, text, expected):
+    root = _tree(tmp_path, {**LAYERED, rel: text})
+    findings = check.analyse(root)[1]
+    assert any(expected in f for f in findings), findings
+
+
+def test_a_cycle_is_found(tmp_path):
+    root = _tree(tmp_path, {**LAYERED, "gradfuse/core/a.py": "from gradfuse.core import b\n",
+                            "gradfuse/core/b.py": "def f():\n    from gradfuse.core import a\n"})
+    findings = check.analyse(root)[1]
+    assert "import cycle: gradfuse.core.a -> gradfuse.core.b -> gradfuse.core.a" in findings
+
+
+def test_history_words_are_found(tmp_path):
+    root = _tree(tmp_path, {**LAYERED, "README.md": "# x\nAdded in issue 17.\n",
+                            "tests/test_x.py": "# measured last session\n",
+                            "docs/a.md": "uses a requests.Session() object\n"})
+    found = check.history_words(root)
+    assert [f.split(":")[0] for f in found] == ["README.md", "tests/test_x.py"]
