@@ -90,7 +90,7 @@ def sdist_files(archive: Path) -> set[str]:
 def test_sdist_carries_every_csrc_file_and_nothing_else(sdist):
     files = sdist_files(sdist)
     expected = {f for f in checkout_files() if f.startswith(("csrc/", "gradfuse/"))}
-    expected |= {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "PKG-INFO", "setup.cfg"}
+    expected |= {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "PKG-INFO", "setup.cfg"}
     metadata = {f for f in files if f.startswith("gradfuse.egg-info/")}
     assert any(f.startswith("csrc/common/") and f.endswith(".h") for f in expected)  # headers are compared
     assert any(f.endswith(".cu") for f in expected)
