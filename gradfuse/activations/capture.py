@@ -222,12 +222,14 @@ class ActivationStats(GradStats):
 
     @property
     def std(self) -> torch.Tensor:
-        if "std" not in self._derived:
-            n = self.numel.to(torch.float64)
-            var = (self.floats[:, SUMSQ] - self.floats[:, SUM] ** 2 / n.clamp(min=1)) / (n - 1)
-            # NaN for fewer than two elements, as torch.std
-            self._derived["std"] = torch.where(n > 1, var.clamp(min=0), math.nan).sqrt()
-        return self._derived["std"]
+        """Standard deviation per row (float64 ``[n]``, unbiased as ``torch.std``; NaN for fewer
+        than two elements)."""
+        return self._memo("std", self._std)
+
+    def _std(self) -> torch.Tensor:
+        n = self.numel.to(torch.float64)
+        var = (self.floats[:, SUMSQ] - self.floats[:, SUM] ** 2 / n.clamp(min=1)) / (n - 1)
+        return torch.where(n > 1, var.clamp(min=0), math.nan).sqrt()
 
     @property
     def rms(self) -> torch.Tensor:
@@ -235,15 +237,15 @@ class ActivationStats(GradStats):
         return self.l2 / self.numel.clamp(min=1).to(torch.float64).sqrt()
 
     def _extra_host(self) -> list[list[float]]:
-        if "extra_host" not in self._derived:
-            if not len(self.names):
-                self._derived["extra_host"] = []
-            else:
-                packed = torch.stack([self.std, self.dead_units.to(self.std.device, torch.float64),
-                                      self.units.to(self.std.device, torch.float64),
-                                      self.floats[:, SUM], self.floats[:, SUMSQ]], 1)
-                self._derived["extra_host"] = packed.cpu().tolist()
-        return self._derived["extra_host"]
+        return self._memo("extra_host", self._read_extra)
+
+    def _read_extra(self) -> list[list[float]]:
+        if not len(self.names):
+            return []
+        packed = torch.stack([self.std, self.dead_units.to(self.std.device, torch.float64),
+                              self.units.to(self.std.device, torch.float64),
+                              self.floats[:, SUM], self.floats[:, SUMSQ]], 1)
+        return packed.cpu().tolist()
 
     def to_dict(self) -> dict:
         """As :meth:`GradStats.to_dict`, each row also with ``module``, ``std``, ``rms``,

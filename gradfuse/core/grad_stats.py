@@ -12,19 +12,6 @@ from gradfuse.core.distributed import as_dtensor
 from gradfuse.ops.layout import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
 
 
-def _derived(fn):
-    """A property computed once per object. (functools.cached_property takes a lock that
-    torch.compile cannot trace.)"""
-    name = fn.__name__
-
-    def get(self):
-        if name not in self._derived:
-            self._derived[name] = fn(self)
-        return self._derived[name]
-
-    return property(get, doc=fn.__doc__)
-
-
 PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "zero_count",
                     "zero_fraction")
 
@@ -91,7 +78,14 @@ class GradStats:
         # rank's shards, reduced over the mesh when first read (a collective on every rank).
         self._pending_rows = pending_rows
         self._host_cache: dict | None = None
-        self._derived: dict = {}
+        self._derived: dict = {}  # statistics computed from the rows, once each (_memo)
+
+    def _memo(self, key: str, compute):
+        """``compute()``, once per object. (functools.cached_property takes a lock that
+        torch.compile cannot trace.)"""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def replace(self, **changes) -> "GradStats":
         """A copy with some constructor arguments changed (the derived values are recomputed)."""
@@ -124,48 +118,66 @@ class GradStats:
         return self._rows_c
 
     # Per-parameter statistics, derived lazily from the fused results (small device ops).
-    @_derived
+    @property
     def numel(self) -> torch.Tensor:
-        return self.counts[:, NUMEL]
+        """Elements per row (int64 ``[n]``)."""
+        return self._memo("numel", lambda: self.counts[:, NUMEL])
 
-    @_derived
+    @property
     def l2(self) -> torch.Tensor:
-        return self.floats[:, SUMSQ].sqrt()
+        """L2 norm per row (float64 ``[n]``); NaN and Inf propagate, as ``torch.linalg.vector_norm``."""
+        return self._memo("l2", lambda: self.floats[:, SUMSQ].sqrt())
 
-    @_derived
+    @property
     def linf(self) -> torch.Tensor:
-        return self.floats[:, MAXABS]
+        """L-infinity norm (max |x|) per row (float64 ``[n]``); NaN propagates."""
+        return self._memo("linf", lambda: self.floats[:, MAXABS])
 
-    @_derived
+    @property
     def mean(self) -> torch.Tensor:
-        return self.floats[:, SUM] / self.numel.clamp(min=1)
+        """Mean per row (float64 ``[n]``); 0 for an empty tensor."""
+        return self._memo("mean", lambda: self.floats[:, SUM] / self.numel.clamp(min=1))
 
-    @_derived
+    @property
     def nan_count(self) -> torch.Tensor:
-        return self.counts[:, NAN]
+        """NaN elements per row (int64 ``[n]``)."""
+        return self._memo("nan_count", lambda: self.counts[:, NAN])
 
-    @_derived
+    @property
     def inf_count(self) -> torch.Tensor:
-        return self.counts[:, INF]
+        """+-Inf elements per row (int64 ``[n]``)."""
+        return self._memo("inf_count", lambda: self.counts[:, INF])
 
-    @_derived
+    @property
     def zero_count(self) -> torch.Tensor:
-        return self.counts[:, ZERO]
+        """Elements equal to zero per row (int64 ``[n]``)."""
+        return self._memo("zero_count", lambda: self.counts[:, ZERO])
 
-    @_derived
+    @property
     def zero_fraction(self) -> torch.Tensor:
-        return self.zero_count / self.numel.clamp(min=1)
+        """Fraction of elements equal to zero per row (float64 ``[n]``); 0 for an empty tensor."""
+        return self._memo("zero_fraction", lambda: self.zero_count / self.numel.clamp(min=1))
 
-    @_derived
+    @property
     def nonfinite(self) -> torch.Tensor:
+        """Whether any gradient holds a NaN or an Inf element (0-d bool); with ``group=``, over
+        the group."""
+        return self._memo("nonfinite", self._nonfinite)
+
+    def _nonfinite(self) -> torch.Tensor:
         if self._group_nonfinite is not None:
             return self._group_nonfinite
         if self._pending_rows is not None:  # a NaN/Inf element made the total NaN/Inf
             return ~torch.isfinite(self.plain_total_norm)
         return (self.counts[:, NAN] + self.counts[:, INF]).sum() > 0
 
-    @_derived
+    @property
     def clipped(self) -> torch.Tensor | None:
+        """After clipping: whether it scaled the gradients (0-d bool; per row for ``per=``; for
+        ``value=``, whether clamping changed a row); None before clipping."""
+        return self._memo("clipped", self._clipped)
+
+    def _clipped(self) -> torch.Tensor | None:
         if self.clip_coef is None:
             return None if self.clamped is None else self.clamped > 0
         return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
