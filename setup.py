@@ -12,6 +12,8 @@ Environment:
   MAX_JOBS                 parallel compile jobs (ninja)
   DEBUG=1                  -O0 -g
   GRADFUSE_PTXAS_VERBOSE=1 print registers / spills per CUDA kernel
+  GRADFUSE_OPENMP=0/1      force OpenMP off / on; by default on where the C++ compiler takes
+                           -fopenmp (Apple clang does not: the CPU kernels then run on one thread)
 """
 import os
 import re
@@ -122,6 +124,33 @@ def write_build_config(torch, use_cuda, archs):
         path.write_text(text)
 
 
+def compiler_takes_openmp() -> bool:
+    """Whether the C++ compiler compiles and links an OpenMP program with -fopenmp."""
+    import tempfile
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "omp.cpp"
+        src.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        try:
+            done = subprocess.run([cxx, "-fopenmp", str(src), "-o", str(Path(tmp) / "omp")],
+                                  capture_output=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return done.returncode == 0
+
+
+def decide_openmp() -> tuple[bool, str]:
+    """(use OpenMP, why): GRADFUSE_OPENMP=0/1, else whether the compiler takes -fopenmp."""
+    want = os.environ.get("GRADFUSE_OPENMP")
+    if want == "0":
+        return False, "GRADFUSE_OPENMP=0"
+    if compiler_takes_openmp():
+        return True, "the C++ compiler takes -fopenmp"
+    if want == "1":
+        raise SystemExit("[gradfuse setup] GRADFUSE_OPENMP=1 but the C++ compiler does not take -fopenmp")
+    return False, "the C++ compiler does not take -fopenmp (the CPU kernels run on one thread)"
+
+
 def import_torch():
     try:
         import torch
@@ -159,13 +188,16 @@ def extensions():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -fopenmp: at::parallel_for is a header template that expands to `#pragma omp parallel` in
     # our own objects; without the flag it silently runs on one thread.
-    cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi", "-fopenmp"]
+    use_openmp, why = decide_openmp()
+    log(f"OpenMP: {'yes' if use_openmp else 'no'} ({why})")
+    openmp = ["-fopenmp"] if use_openmp else []
+    cxx = opt + ["-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"] + openmp
     if not debug:
         # Python's sysconfig CFLAGS (put first on every host compile line) usually hold -g: debug
         # info for torch's headers costs compile time and nothing checks it (DEBUG=1 keeps it).
         # Last on the line, -g0 wins.
         cxx += ["-g0"]
-    link = ["-fopenmp"]
+    link = openmp
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]
     if not use_cuda:
