@@ -4,6 +4,7 @@ Layer: core. Imports :mod:`gradfuse.ops.layout` and the core's distributed.
 """
 from __future__ import annotations
 
+import html
 import math
 
 import torch
@@ -337,6 +338,30 @@ class GradStats:
             total += f"   NON-FINITE: {', '.join(self.nonfinite_names())}"
         lines.append(total)
         return "\n".join(lines)
+
+    def _repr_html_(self, max_rows: int = 100) -> str:
+        """Jupyter's view: the rows of :meth:`to_dict` as an HTML table (largest ``l2`` first,
+        at most ``max_rows``), the totals below; one transfer."""
+        d = self.to_dict()
+        items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1]["l2"]), reverse=True)
+        columns = list(items[0][1]) if items else list(PER_PARAM_FIELDS)
+
+        def cell(v) -> str:
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            return html.escape(str(v))
+
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in ["name"] + columns)
+        rows = "".join("<tr><td>" + html.escape(name) + "</td>"
+                       + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>"
+                       for name, r in items[:max_rows])
+        more = (f"<p>... {len(items) - max_rows} more rows</p>" if len(items) > max_rows else "")
+        totals = (f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}; "
+                  f"non-finite: {d['nonfinite']}"
+                  + (f"; clip coef: {d['clip_coef']:.4g}" if d["clip_coef"] is not None else ""))
+        return (f"<div><b>{html.escape(type(self).__name__)}</b> ({len(items)} rows)"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{more}"
+                f"<p>{html.escape(totals)}</p></div>")
 
     def __repr__(self) -> str:
         return (f"GradStats({len(self.names)} parameters, norm_type={self.norm_type}, "
