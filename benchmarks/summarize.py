@@ -1,6 +1,12 @@
-"""Turns a pytest-benchmark JSON into the markdown table of benchmarks/RESULTS.md and a bar chart.
+"""Turns a pytest-benchmark JSON into the markdown tables of benchmarks/RESULTS.md and a bar chart.
 
     python benchmarks/summarize.py bench.json [-o table.md] [--png chart.png]
+    python benchmarks/summarize.py bench.json --results benchmarks/RESULTS.md \
+        --command "the command that made bench.json" [--extra before_after.md] [--png chart.png]
+
+``--results`` writes the whole page: machine, date, commit and command of the run, a summary
+table, then every workload's table, then any ``--extra`` markdown (e.g. a before / after
+comparison from compare_trees.py, with its own command).
 
 Per workload and dtype: median time of each method, its ratio to clip_grad_norm_(foreach=True)
 and to the hook/loop approach, and achieved GB/s (the bytes the method must move, see
@@ -28,7 +34,60 @@ def load(path: str) -> dict:
         rows[(e["workload"], e["dtype"])][e["method"]] = {
             "median_s": b["stats"]["median"], "bytes": e["bytes"], "grad_bytes": e["grad_bytes"],
             "tensors": e.get("tensors"), "rounds": b["stats"]["rounds"]}
-    return {"machine": data.get("machine_info", {}), "datetime": data.get("datetime"), "rows": rows}
+    return {"machine": data.get("machine_info", {}), "datetime": data.get("datetime"), "rows": rows,
+            "commit": data.get("commit_info", {})}
+
+
+def _gbs(m: dict) -> float:
+    return m["bytes"] / m["median_s"] / 1e9
+
+
+def summary(result: dict) -> str:
+    """One line per workload and dtype: gradfuse's statistics and drop-in clip against torch's
+    clip_grad_norm_ and the hook loop, and the share of the read bandwidth they reach."""
+    out = ["| workload | dtype | stats, ms | stats vs clip_grad_norm_(foreach) | stats vs hook loop | "
+           "stats GB/s (% of read) | clip_grad_norm_ drop-in vs torch's |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for (workload, dtype), methods in sorted(result["rows"].items()):
+        st, base = methods.get("gradfuse_stats"), methods.get("torch_clip_foreach")
+        hook, read = methods.get("hook_loop"), methods.get("memory_read")
+        drop = methods.get("gradfuse_clip_grad_norm_")
+        if not st:
+            continue
+        cells = [f"{1e3 * st['median_s']:.3f}",
+                 f"{st['median_s'] / base['median_s']:.2f}x" if base else "-",
+                 f"{hook['median_s'] / st['median_s']:.1f}x faster" if hook else "-",
+                 f"{_gbs(st):.1f} ({100 * _gbs(st) / _gbs(read):.0f}%)" if read else f"{_gbs(st):.1f}",
+                 f"{drop['median_s'] / base['median_s']:.2f}x" if drop and base else "-"]
+        out.append(f"| {workload} | {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def page(result: dict, command: str, extras: list[str], chart_path: str | None) -> str:
+    m, c = result["machine"], result["commit"]
+    cpu = m.get("cpu", {})
+    machine = ", ".join(x for x in (cpu.get("brand_raw"), f"{cpu['count']} logical cores" if cpu.get("count") else None,
+                                    m.get("system"), m.get("release"),
+                                    f"Python {m['python_version']}" if m.get("python_version") else None) if x)
+    commit = (f"{c.get('id', '?')[:12]}" + (" (with uncommitted changes)" if c.get("dirty") else "")) if c else "?"
+    lines = ["# Measured results", "",
+             "Today's figures, generated from one run of the benchmark suite by "
+             "`benchmarks/summarize.py --results` (earlier figures are in this file's git history). "
+             "Timings on shared machines are noisy: read the ratios within this run, not absolute "
+             "times across runs.", "",
+             f"- machine: {machine or '?'}",
+             f"- date: {result['datetime'] or '?'}",
+             f"- commit: {commit}",
+             f"- command: `{command}`",
+             "- medians of each method's rounds; GB/s = the bytes the method must move "
+             "(benchmarks/README.md) over its median; `memory_read` and `memory_copy` are the "
+             "machine's bandwidth in the same run", ""]
+    if chart_path:
+        lines += [f"![median time relative to torch's clip_grad_norm_]({chart_path})", ""]
+    lines += ["## At a glance", "", summary(result), "## Every method, per workload", "", table(result)]
+    for extra in extras:
+        lines += ["", extra.rstrip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def table(result: dict) -> str:
@@ -89,16 +148,26 @@ def main(argv=None) -> int:
     ap.add_argument("json")
     ap.add_argument("-o", "--output", help="write the markdown table here (default: stdout)")
     ap.add_argument("--png", help="also draw a bar chart (needs matplotlib)")
+    ap.add_argument("--results", help="write the whole RESULTS.md page here")
+    ap.add_argument("--command", default="?", help="the command that made the JSON (for --results)")
+    ap.add_argument("--extra", action="append", default=[], help="a markdown file appended to --results")
     args = ap.parse_args(argv)
     result = load(args.json)
+    if args.png:
+        chart(result, args.png)
+    if args.results:
+        import os
+        chart_rel = os.path.relpath(args.png, os.path.dirname(os.path.abspath(args.results))) if args.png else None
+        extras = [open(path).read() for path in args.extra]
+        with open(args.results, "w") as f:
+            f.write(page(result, args.command, extras, chart_rel))
+        return 0
     md = table(result)
     if args.output:
         with open(args.output, "w") as f:
             f.write(md)
     else:
         sys.stdout.write(md)
-    if args.png:
-        chart(result, args.png)
     return 0
 
 
