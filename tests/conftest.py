@@ -1,7 +1,24 @@
+"""Shared fixtures of the whole suite.
+
+Layout: one folder per layer of the package (ops/, core/, clip/, numerics/, activations/,
+dynamics/, monitor/, integrations/, cuda/, packaging/), none of them a Python package: pytest's
+default import mode puts each test file's folder on sys.path and imports it by its basename, so
+basenames stay unique across folders (pytest stops with "import file mismatch" otherwise). The
+helpers every folder shares (helpers, clip_helpers, hist_helpers, gloo_checks, dist_workers,
+emu_fixtures, cuda_emu) stay here in tests/, imported by bare name: this folder is put first on
+sys.path below (processes started by torch.multiprocessing inherit sys.path). A worker script
+used by one folder only lives next to its test."""
+import os
+import sys
+
 import pytest
 import torch
 
 import gradfuse
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

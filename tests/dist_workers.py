@@ -1,4 +1,4 @@
-"""Code run in each process of the distributed tests (spawned by test_distributed.py)."""
+"""Code run in each process of the distributed tests (spawned by core/test_distributed.py and clip/test_fsdp2_torch_clip.py)."""
 import contextlib
 import copy
 import math

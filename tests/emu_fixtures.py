@@ -36,6 +36,6 @@ def rerun_under_sanitizers(test_file: str, timeout: int = 1800) -> None:
     env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-s", "-p", "no:randomly",
                            "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(test_file))))
+                          timeout=timeout, cwd=cuda_emu.ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert " passed" in proc.stdout

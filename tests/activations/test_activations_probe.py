@@ -89,7 +89,7 @@ def test_benchmark_and_profile_scripts_run(capsys):
     is checked here)."""
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import activations_bench
     import activations_profile
     threads = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """GradfuseCallback(noise_scale=True) under Lightning's DDP (ddp_spawn, 2 CPU processes, gloo):
 the callback registers the bucket-norm communication hook, and the estimate on the quadratic
-problem of tests/test_noise_scale.py (B_simple = d s^2 / |w - mu|^2) is within 10%."""
+problem of tests/dynamics/test_noise_scale.py (B_simple = d s^2 / |w - mu|^2) is within 10%."""
 import json
 import math
 import warnings

@@ -1,4 +1,4 @@
-"""Issue 18: gradfuse.stats / clip_ / clip_grad_norm_ on a list, served from a cached plan in C++
+"""gradfuse.stats / clip_ / clip_grad_norm_ on a list, served from a cached plan in C++
 (gradfuse.walk_cache), give bitwise the functional path's results, and the plan is dropped for
 every change the functional path would see."""
 import gc

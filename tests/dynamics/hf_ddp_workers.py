@@ -1,4 +1,4 @@
-"""One rank of tests/test_transformers_ddp_noise.py: the HF Trainer under DDP on CPU (gloo)."""
+"""One rank of tests/dynamics/test_transformers_ddp_noise.py: the HF Trainer under DDP on CPU (gloo)."""
 import json
 import os
 import warnings

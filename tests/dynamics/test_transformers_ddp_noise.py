@@ -1,6 +1,6 @@
 """gradfuse.integrations.transformers.attach(trainer, noise_scale=True) under the Trainer's DDP
 (2 CPU processes, gloo): the callback registers the bucket-norm communication hook, and the
-estimate on the quadratic problem of tests/test_noise_scale.py is within 10%."""
+estimate on the quadratic problem of tests/dynamics/test_noise_scale.py is within 10%."""
 import json
 import math
 import socket

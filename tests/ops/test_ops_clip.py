@@ -1,4 +1,4 @@
-"""The clipping ops of issue 17 (gradfuse.ops: per-tensor / per-unit scale, unit statistics, clamp
+"""The clipping ops (gradfuse.ops: per-tensor / per-unit scale, unit statistics, clamp
 by value): the pure-PyTorch reference against plain torch, and the compiled CPU ops (both CPU
 builds) against the reference, bit for bit where the arithmetic is the same."""
 import math
@@ -379,7 +379,7 @@ def test_benchmark_script_runs_untimed():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "clip_ops.py"), "--smoke"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

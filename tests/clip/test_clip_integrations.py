@@ -1,4 +1,4 @@
-"""Issue 17 in the Lightning and Hugging Face integrations: gradient_clip_algorithm="value" taken
+"""Clipping in the Lightning and Hugging Face integrations: gradient_clip_algorithm="value" taken
 over, per=, AGC, ZClip and schedules through the callbacks (real Trainers, CPU, tiny models)."""
 import pytest
 import torch
@@ -9,8 +9,8 @@ L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from test_lightning import Probe, fit  # noqa: E402
-from test_transformers import make_trainer, train  # noqa: E402
+from lightning_harness import Probe, fit  # noqa: E402
+from transformers_harness import make_trainer, train  # noqa: E402
 
 from gradfuse.integrations.lightning import GradfuseCallback  # noqa: E402
 from gradfuse.integrations.transformers import attach  # noqa: E402

@@ -598,7 +598,7 @@ def test_rows_carry_rank_scope_under_distributed(monkeypatch):
 
 def test_readme_example_runs(tmp_path, monkeypatch):
     """The README's activations example, as written."""
-    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     block = text.split("### Activations and their gradients", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     with pytest.warns(RuntimeWarning, match=r"step 70: optimizer step skipped: first non-finite value in the "

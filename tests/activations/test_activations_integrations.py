@@ -12,7 +12,7 @@ def forward_hooks(model):
 
 def test_lightning_callback_logs_activations_on_its_logged_steps():
     pytest.importorskip("lightning.pytorch")
-    from test_lightning import Tiny, fit
+    from lightning_harness import Tiny, fit
 
     from gradfuse.integrations.lightning import GradfuseCallback
 
@@ -36,7 +36,7 @@ def test_lightning_callback_logs_activations_on_its_logged_steps():
 
 def test_lightning_trace_nonfinite_names_the_module():
     pytest.importorskip("lightning.pytorch")
-    from test_lightning import Tiny, fit
+    from lightning_harness import Tiny, fit
 
     from gradfuse.integrations.lightning import GradfuseCallback
 
@@ -57,7 +57,7 @@ def test_lightning_trace_nonfinite_names_the_module():
 
 def test_hf_trainer_logs_activations_on_its_logging_steps(tmp_path):
     pytest.importorskip("transformers")
-    from test_transformers import Tokens, tiny_gpt2, train
+    from transformers_harness import Tokens, tiny_gpt2, train
     from transformers import Trainer, TrainingArguments
 
     from gradfuse.integrations.transformers import attach

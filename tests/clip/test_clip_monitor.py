@@ -1,4 +1,4 @@
-"""Issue 17 in the monitor and attach: max_norm schedules (logged, bad values under the policy),
+"""Clipping in the monitor and attach: max_norm schedules (logged, bad values under the policy),
 per=, clip_value=, agc=, and the double-clipping warning."""
 import math
 import warnings

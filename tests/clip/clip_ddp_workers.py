@@ -1,4 +1,4 @@
-"""Code run in each process of tests/test_clip_ddp.py: the double-clip check of GradMonitor and
+"""Code run in each process of tests/clip/test_clip_ddp.py: the double-clip check of GradMonitor and
 gradfuse.attach under DDP (gloo, CPU), one check per (gradient_as_bucket_view, entry point)."""
 import re
 import warnings

@@ -1,4 +1,4 @@
-"""Code run in each gloo process of tests/test_noise_scale.py (DDP noise-scale source)."""
+"""Code run in each gloo process of tests/dynamics/test_noise_scale.py (DDP noise-scale source)."""
 import datetime
 import traceback
 

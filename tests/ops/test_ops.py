@@ -73,7 +73,7 @@ def test_empty_list_and_empty_tensors(device, dtype):
 
 
 def test_empty_tensors_do_not_shift_rows(device, dtype, cpu_capability):
-    # pytorch issue 140066: zero-size tensors shifting per-tensor indices.
+    # Zero-size tensors must not shift per-tensor indices (github.com/pytorch/pytorch/issues/140066).
     tensors = []
     for i in range(50):
         n = 0 if i % 3 == 0 else (i * 977) % (2 * CHUNK)

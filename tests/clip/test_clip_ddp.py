@@ -1,4 +1,4 @@
-"""The double-clip check (issue 17) under DDP with 2 gloo ranks: DDP's write-back of the reduced
+"""The double-clip check under DDP with 2 gloo ranks: DDP's write-back of the reduced
 gradients is not reported, a user's clip_grad_norm_ after the backward is, on every rank."""
 import pytest
 import torch.distributed as dist

@@ -30,7 +30,7 @@ import torch
 from gradfuse.ops import library
 from gradfuse.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 compiling = pytest.mark.skipif(os.environ.get("GRADFUSE_PACKAGING_TESTS") != "1",
                                reason="compiles gradfuse twice: run scripts/check_packaging.sh")
 # Build outputs and local state a developer's checkout may hold; none may reach an sdist.
@@ -115,9 +115,11 @@ def test_import_refuses_a_build_for_another_torch(tmp_path):
     # undefined symbol) and whose build record names another torch.
     package = tmp_path / "gradfuse"
     package.mkdir()
-    for source in (ROOT / "gradfuse").glob("*.py"):
-        if source.name != "_build_record.py":
-            (package / source.name).write_text(source.read_text())
+    for source in (ROOT / "gradfuse").rglob("*.py"):  # every subpackage: the import must reach the check
+        rel = source.relative_to(ROOT / "gradfuse")
+        if rel != Path("_build_record.py"):
+            (package / rel).parent.mkdir(parents=True, exist_ok=True)
+            (package / rel).write_text(source.read_text())
     (package / "_build_record.py").write_text("TORCH_VERSION = '1.0.0+cu100'\nCUDA_VERSION = '10.0'\n")
     for cmd in (["-c", "import gradfuse"], ["-m", "gradfuse", "info"]):
         proc = run([sys.executable, *cmd], cwd=tmp_path, check=False)
@@ -184,7 +186,7 @@ def test_info_gpu_arch_not_built(capsys, monkeypatch, one_gpu):
 def test_info_extension_missing(capsys, monkeypatch):
     monkeypatch.setattr(library, "extension", None)
     monkeypatch.setattr(library, "KERNELS", {"cpu": False, "cuda": False})
-    monkeypatch.setattr(library, "_load_error", "gradfuse._C could not be loaded (No module named 'gradfuse._C').")
+    monkeypatch.setattr(library, "load_error", "gradfuse._C could not be loaded (No module named 'gradfuse._C').")
     assert main(["info"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH: gradfuse._C could not be loaded" in out and "pure-PyTorch reference" in out

@@ -86,7 +86,7 @@ def test_attach_update_ratios_adamw_equal_copies():
 # --- Lightning -----------------------------------------------------------------------------------
 def test_lightning_accumulation_noise_scale_and_update_ratios():
     L = pytest.importorskip("lightning.pytorch")
-    import test_lightning as tl
+    import lightning_harness as tl
     from gradfuse.integrations.lightning import GradfuseCallback
 
     class Copies(L.Callback):
@@ -127,7 +127,7 @@ def test_lightning_accumulation_noise_scale_and_update_ratios():
 def test_transformers_accumulation_noise_scale_and_update_ratios(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    import test_transformers as tt
+    import transformers_harness as tt
     from transformers import TrainerCallback
     from gradfuse.integrations.transformers import attach
 
@@ -196,7 +196,7 @@ def test_dynamics_benchmark_runs_and_counts_passes():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "benchmarks/dynamics_cost.py", "--layers", "1", "--d", "32",
                            "--vocab", "64", "--ctx", "16", "--rounds", "2"], cwd=root, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})

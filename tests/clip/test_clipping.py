@@ -1,4 +1,4 @@
-"""Issue 17: per-parameter / per-layer norm clipping, clipping by value, adaptive gradient
+"""Per-parameter / per-layer norm clipping, clipping by value, adaptive gradient
 clipping. References: torch.nn.utils itself, timm.utils.adaptive_clip_grad, float64 per-layer
 arithmetic. Every test also shows there was something to compare: non-zero gradients, some
 parameters (or units, or elements) clipped and others not."""

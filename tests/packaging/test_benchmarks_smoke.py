@@ -1,10 +1,11 @@
-"""Every benchmark runs on tiny sizes (untimed) so the suite cannot rot; the summary reads a
-tiny run's JSON."""
+"""Every benchmark runs on tiny sizes (untimed) so the suite cannot rot: the pytest benchmarks,
+the summary from a tiny run's JSON, and the stand-alone scripts (host cost, histogram, clipping,
+ZClip regimes)."""
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_bench(*args):
@@ -65,3 +66,32 @@ def test_hist_bench_script(capsys):
     assert "| histogram (multi_tensor_exponent_histogram" in out and "gpt2_small bfloat16" in out
     if hist_bench.has_avx512_loop():  # both counting loops of the AVX2 kernels are timed
         assert "AVX-512 loop) |" in out and "| histogram, AVX2 loop |" in out
+
+
+def test_clipping_bench_smoke():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "clipping_bench.py"),
+                           "--smoke", "--workloads", "gpt2_small,resnet50"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("clip_per_layer", "clip_per_param", "gradfuse_value_stats", "gradfuse_agc",
+                 "timm_agc", "gradfuse_zclip", "zclip_step"):
+        assert f"| {name} |" in proc.stdout, proc.stdout
+    assert proc.stdout.count("**") == 8  # 2 workloads x 2 dtypes, one table each
+
+
+def test_zclip_regimes_smoke():
+    """benchmarks/zclip_regimes.py on tiny shapes (one round): every regime runs, and each
+    implementation clipped exactly where its regime says it does."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "zclip_regimes.py"),
+                           "--smoke", "--workloads", "resnet50"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expect = {"warmup": "no / no", "warmup_max_norm": "no / no", "warmup_max_norm_clip": "yes / yes",
+              "no_spike": "no / no", "spike": "yes / yes", "max_norm": "yes / yes"}
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| regime")}
+    assert set(expect) <= set(rows), proc.stdout
+    for regime, clipped in expect.items():
+        assert rows[regime].rstrip().endswith(f"| {clipped} |"), rows[regime]

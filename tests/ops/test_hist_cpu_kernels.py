@@ -1,19 +1,19 @@
-"""The CPU histogram (issue 19) under each CPU capability the machine can select, against the
+"""The CPU histogram under each CPU capability the machine can select, against the
 torch.frexp reference, at the sizes and value patterns where a chunk loop has edges: sizes around
 8-element unroll steps and 16-element vectors, unaligned starts, one value everywhere (every
 increment on one counter, and whole chunks in the lumped zero / Inf / NaN rows that pass 2 sorts
 out), wide chunks between narrow ones in one call and across calls, 1 and 2 threads. (A pair-
-counting AVX2 loop was tried in session 4 and dropped: see benchmarks/RESULTS.md; these tests
-were written for it and kept.)
+counting AVX2 loop was tried and dropped: see benchmarks/RESULTS.md; these tests were written
+for it and kept.)
 
-Session 5's AVX2 kernel (csrc/cpu/hist_avx2.cpp) counts the eight hottest exponent fields of a
+The AVX2 kernel (csrc/cpu/hist_avx2.cpp) counts the eight hottest exponent fields of a
 chunk in byte lanes (32 elements per vector, 64-vector blocks) and every other lane by its index;
 it takes the hot fields from the worker's previous chunk or from a 256-element sample, samples
 again after a block where more than 1/16 of the lanes missed, and counts 2048 elements with the
 scalar loop when eight fields cover less than 7/8 of a sample. The tests below the line aim at
 each of those edges, under both capabilities (the default loop must give the same counts).
 
-Session 6: the hot fields are a window of eight consecutive fields, and where the CPU has
+The hot fields are a window of eight consecutive fields, and where the CPU has
 AVX512BW, AVX512_BITALG and GFNI the AVX2 kernels count with an AVX-512 loop (64 elements per
 group, 31-group blocks of byte counters, out-of-window lanes by their stored field byte); the
 cpu_capability fixture here runs every test under that loop too ("avx512"), and the tests at the
@@ -131,7 +131,7 @@ def test_builds_agree_across_threads(dtype):
     assert expect[1].count_nonzero() > 10 and expect[2, 1] > 0  # many binades; zeros (pass 2)
 
 
-# ---- session 5: the hot-field AVX2 kernel ----------------------------------------------------
+# ---- the hot-field AVX2 kernel ---------------------------------------------------------------
 SAMPLE, VEC, BLOCK = 256, 32, 64 * 32
 
 
@@ -243,7 +243,7 @@ def test_many_tensors_of_mixed_distributions(dtype, cpu_capability):
     assert got.sum() > 100000 and (got.sum(0) > 0).sum() > 30
 
 
-# ---- session 6: the AVX-512 counting loop ------------------------------------------------------
+# ---- the AVX-512 counting loop ---------------------------------------------------------------
 GROUP, GROUPS = 64, 31  # elements per AVX-512 step, steps per block of byte counters
 
 

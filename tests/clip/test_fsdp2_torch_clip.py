@@ -1,6 +1,6 @@
 """PyTorch's FSDP2 clip_grad_norm_ test run on gradfuse (2 gloo ranks on CPU), with its
 CommDebugMode count of functional all-reduces; a 2-d (HSDP) mesh on 2 and 4 ranks; and the
-monitor's per-step collectives. See tests/fsdp2_clip_workers.py."""
+monitor's per-step collectives. See tests/clip/fsdp2_clip_workers.py."""
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,7 +52,7 @@ def test_fsdp2_comm_benchmark_smoke():
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fsdp2_comm.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fsdp2_comm.py"
     out = subprocess.run([sys.executable, str(script), "--layers", "1"], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
