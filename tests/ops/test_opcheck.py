@@ -1,0 +1,93 @@
+"""Every compiled op of gradfuse through torch.library.opcheck: the schema (mutations declared as
+the kernels do them), the fake kernels of gradfuse/ops/fake.py against the real outputs (shapes,
+dtypes, devices), the autograd registration and the AOT-dispatch path, for each dtype the ops
+take, over odd sizes, empty tensors and non-finite values. (An empty list has no tensor to
+dispatch on: the wrappers in gradfuse.ops answer it without calling the op.)"""
+import math
+
+import pytest
+import torch
+
+from gradfuse.ops import library
+
+pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
+
+OPS = ["multi_tensor_stats", "multi_tensor_scale_", "multi_tensor_unit_stats", "multi_tensor_unit_scale_",
+       "multi_tensor_clamp_", "multi_tensor_exponent_histogram"]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+# (rows, cols) of each tensor of a case; the unit ops cut tensor i into `rows` units.
+CASES = {
+    "odd_sizes": [(5, 3), (1, 1), (13, 7), (0, 3), (130, 3)],
+    "one_empty": [(0, 5)],
+    "one_element": [(1, 1)],
+    "non_finite": [(4, 3), (9, 1)],
+    "nan": [(6, 2), (3, 5)],
+}
+# opcheck compares the op's outputs under each check with torch.testing.assert_close, which calls
+# NaN != NaN: a NaN in a float output (or in a tensor written in place) reads as a mismatch. NaN
+# goes to the histogram only, whose output is counts; the other ops see +-inf, zeros and -0.0.
+NAN_OPS = {"multi_tensor_exponent_histogram"}
+
+
+def tensors_for(case, dtype, device):
+    g = torch.Generator().manual_seed(len(case))
+    tensors = [(torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype).to(device) for shape in CASES[case]]
+    if case == "non_finite":
+        tensors[0][0, 0], tensors[0][1, 2], tensors[1][4, 0] = -0.0, math.inf, -math.inf
+        tensors[1][5, 0] = 0.0
+    if case == "nan":
+        tensors[0][0, 0], tensors[0][5, 1], tensors[1][2, 4] = math.nan, math.inf, math.nan
+    return tensors
+
+
+def op_args(name, tensors, device):
+    """The arguments of one call of op `name` on `tensors` (mutated tensors cloned per call)."""
+    units = [t.shape[0] for t in tensors]
+    clones = [t.clone() for t in tensors]
+    if name == "multi_tensor_stats":
+        return [(tensors, 2.0), (tensors, 1.0), (tensors, math.inf), (tensors, 3.5)]
+    if name == "multi_tensor_scale_":
+        return [(clones, torch.tensor(0.5, device=device), True),
+                ([t.clone() for t in tensors], torch.tensor(2.0, device=device), False),
+                ([t.clone() for t in tensors], torch.tensor(1.5, device=device), True)]
+    if name == "multi_tensor_unit_stats":
+        return [(tensors, units, 2.0), (tensors, units, math.inf)]
+    if name == "multi_tensor_unit_scale_":
+        coefs = torch.linspace(0.25, 1.75, sum(units), device=device)
+        return [(clones, units, coefs, True), ([t.clone() for t in tensors], units, coefs.double(), False)]
+    if name == "multi_tensor_clamp_":
+        return [(clones, 0.5), ([t.clone() for t in tensors], 0.0)]
+    if name == "multi_tensor_exponent_histogram":
+        return [(tensors,)]
+    raise AssertionError(name)
+
+
+def test_every_op_of_the_library_is_checked():
+    # A new op in csrc/gradfuse.cpp must be added to OPS above.
+    registered = {name for name in dir(torch.ops.gradfuse) if name.startswith("multi_tensor")}
+    assert registered == set(OPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("name, case", [(n, c) for n in OPS for c in CASES if c != "nan" or n in NAN_OPS])
+def test_opcheck(name, case, dtype, device):
+    op = getattr(torch.ops.gradfuse, name)
+    tensors = tensors_for(case, dtype, device)
+    for args in op_args(name, tensors, device):
+        torch.library.opcheck(op, args)
+
+
+def test_opcheck_finds_a_wrong_fake_kernel():
+    # The control: the same op behind a fake kernel with one bin too few fails opcheck.
+    lib = torch.library.Library("gradfuse_opcheck_control", "DEF")
+    try:
+        lib.define("hist(Tensor[] tensors) -> Tensor")
+        lib.impl("hist", lambda tensors: torch.ops.gradfuse.multi_tensor_exponent_histogram(tensors), "CPU")
+        real = torch.ops.gradfuse.multi_tensor_exponent_histogram([torch.ones(5)])
+        torch.library.register_fake("gradfuse_opcheck_control::hist", lib=lib)(
+            lambda tensors: tensors[0].new_empty((len(tensors), real.shape[1] - 1), dtype=torch.int64))
+        with pytest.raises(Exception, match="Shapes"):
+            torch.library.opcheck(torch.ops.gradfuse_opcheck_control.hist, ([torch.ones(5)],))
+    finally:
+        lib._destroy()
