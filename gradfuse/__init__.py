@@ -23,14 +23,14 @@ from gradfuse.dynamics import NoiseScale
 from gradfuse.functional import stats, tensor_stats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
-from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, PrometheusSink,
+from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, MLflowSink, PrometheusSink,
                                     TensorBoardSink, WandbSink)
 from gradfuse.ops import backend, build_info
 
 __version__ = "0.1.0"
 
 __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
-           "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MetricsSink", "NoiseScale",
+           "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "NoiseScale",
            "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
            "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
            "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "stats",

@@ -137,6 +137,11 @@ class GradMonitor:
         activation_modules: which modules (names or modules; default: all) for both options.
         module: the nn.Module whose activations are watched when ``model`` is not one (e.g. named
             parameters; :func:`gradfuse.attach` passes its ``model``).
+        sink_ranks: which processes write to the sinks when ``torch.distributed`` is initialised
+            with more than one process: ``0`` (default; every rank still takes the statistics,
+            only rank 0 writes), another rank number, or ``"all"`` (every rank writes its own
+            records, each with a ``rank`` key; give each rank its own file or tracker run).
+            Without a process group of two or more, every record is written and has no ``rank``.
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -153,7 +158,7 @@ class GradMonitor:
                  agc_eps: float = 1e-3, check_double_clip: bool = True,
                  noise_scale=False, update_ratios=False,
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
-                 module: nn.Module | None = None):
+                 module: nn.Module | None = None, sink_ranks: int | str = 0):
         check_policy("on_nonfinite", on_nonfinite)
         check_policy("on_explode", on_explode)
         if explode_threshold is not None and not explode_threshold > 0:
@@ -186,6 +191,10 @@ class GradMonitor:
         self.on_explode = on_explode if explode_threshold is not None else "ignore"
         self.sinks = list(sinks)
         self._sink_set = SinkSet(self.sinks)
+        if not (sink_ranks == "all" or (isinstance(sink_ranks, int) and not isinstance(sink_ranks, bool)
+                                        and sink_ranks >= 0)):
+            raise ValueError(f"gradfuse.GradMonitor: sink_ranks must be a rank number or 'all', got {sink_ranks!r}")
+        self.sink_ranks = sink_ranks
         self.layer_depth = layer_depth
         self.scaler = scaler
         self.optimizer = optimizer
@@ -284,6 +293,8 @@ class GradMonitor:
             self._started = True
             if not self._restored:
                 self._sink_set.warn_if_numbering_twice(step)
+            if self._writing_rank() is not False:
+                self._sink_set.start({**self.config(), "start_step": step})
         capture = self._act_hooks.take() if self._act_hooks is not None else None
         fused_unscale = self._unscale_here()
         log_now = (self.every > 0 and step % self.every == 0) if log is None else log
@@ -414,6 +425,29 @@ class GradMonitor:
         return None if self.dynamics is None else self.dynamics.noise_scale
 
 
+    def config(self) -> dict:
+        """The monitor's settings as plain values, for a tracker's run configuration (sinks with
+        ``on_start(config)`` get it before the first record): ``max_norm`` (a number, or
+        ``"schedule"`` / ``"zclip"``), ``norm_type``, ``every``, ``on_nonfinite``, ``on_explode``,
+        ``explode_threshold``, ``per``, ``clip_value``, ``agc``, ``layer_depth``, ``histogram``,
+        ``activations``, ``noise_scale``, ``update_ratios``, ``sink_ranks`` (and ``start_step``, the
+        first step, in what the sinks get)."""
+        m = self.max_norm
+        if isinstance(m, ZClip):
+            m = "zclip"
+        elif callable(m):
+            m = "schedule"
+        dyn = self.dynamics
+        return {"max_norm": m, "norm_type": self.norm_type, "every": self.every,
+                "on_nonfinite": self.on_nonfinite, "on_explode": self.on_explode,
+                "explode_threshold": self.explode_threshold, "per": self.per,
+                "clip_value": self.clip_value, "agc": None if self.agc is None else float(self.agc[0]),
+                "layer_depth": self.layer_depth, "histogram": bool(self.histogram),
+                "activations": bool(self._act_hooks is not None and self._act_hooks.activations),
+                "noise_scale": bool(dyn is not None and dyn.noise_scale is not None),
+                "update_ratios": bool(dyn is not None and dyn.update_ratios is not None),
+                "sink_ranks": self.sink_ranks}
+
     def counters(self) -> dict[str, int]:
         """The run's counters so far: ``steps`` (steps taken), ``clipped_steps`` (reads a device
         counter), ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
@@ -475,8 +509,28 @@ class GradMonitor:
         sinks. The rule: its first failure warns once, with the reason; after its k-th
         consecutive failure it sits out the next ``min(2**(k-1), 64)`` records, then is tried
         again; a success resets k. Every record a sink did not write counts in
-        :attr:`dropped_records` (per sink: :meth:`sink_health`)."""
+        :attr:`dropped_records` (per sink: :meth:`sink_health`).
+
+        Under ``torch.distributed`` with two or more processes only the ranks of ``sink_ranks``
+        write (every rank builds the record, so collectives stay matched); with ``"all"`` each
+        record gets a ``rank`` key."""
+        rank = self._writing_rank()
+        if rank is False:
+            return
+        if rank is not None:
+            record = {**record, "rank": rank}
         self._sink_set.write(record)
+
+    def _writing_rank(self):
+        """None: not distributed (write, no rank key); False: this rank does not write; a rank
+        number: this rank writes with that ``rank`` key (``sink_ranks="all"``)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            return None
+        rank = torch.distributed.get_rank()
+        if self.sink_ranks == "all":
+            return rank
+        return None if rank == self.sink_ranks else False
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue: the next step number and the counters (reads

@@ -57,6 +57,18 @@ class SinkSet:
                 st.written += 1
                 st.failures = 0
 
+    def start(self, config: dict) -> None:
+        """Hands the monitor's configuration to every sink that has ``on_start(config)`` (a
+        tracker's run config), once, before the first record; a sink that raises is warned about
+        and counted in its ``failures``, never raised."""
+        for sink in self.sinks:
+            on_start = getattr(sink, "on_start", None)
+            if callable(on_start):
+                try:
+                    on_start(dict(config))
+                except Exception as e:  # noqa: BLE001 - monitoring must never end the run
+                    self._failed(sink, self._state(sink), e, "start")
+
     def _failed(self, sink, st: SinkState, error: Exception, what: str) -> None:
         st.failures += 1
         if what == "write":

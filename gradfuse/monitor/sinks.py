@@ -10,18 +10,44 @@ amp_overflow_steps, dropped_records), params (per-parameter statistics) and laye
 aggregates); with ``GradMonitor(activations=True)`` on logged steps also act and act_grad (per
 layer: module outputs and the gradients with respect to them), and first_nonfinite when traced.
 
-Layer: monitor. Imports :mod:`gradfuse.utils` only; the trackers are imported on first use.
+Sinks that talk to a tracker may also have ``on_start(config: dict)``: the monitor hands them its
+settings (:meth:`GradMonitor.config`) once, before the first record. Under ``torch.distributed``
+only rank 0 writes unless ``GradMonitor(sink_ranks="all")``; records then carry ``rank``.
+
+Pictures (``images_every=N`` on :class:`TensorBoardSink`, :class:`WandbSink`,
+:class:`MLflowSink`): every N-th logged step the sink draws the records it kept (a window of the
+last ``window`` records, without their per-parameter rows) with ``figure_fn(records)``, a
+matplotlib Figure or a dict of tag -> Figure; by default
+:func:`gradfuse.monitor.figures.record_figures` (``grad/gradflow``: the per-layer L2 heatmap,
+total norm with clip events and zero fractions; ``grad/exponents``: the per-layer exponent panels,
+with ``GradMonitor(histogram=True)``). Default ``images_every=0``: no pictures (drawing takes
+about a second). :meth:`close` draws once more when records came after the last picture.
+
+Exponent histograms (``histograms=True``, the default, with ``GradMonitor(histogram=True)``): per
+layer, the value axis is the binary exponent floor(log2|g|) itself, not 2**e (a gradient spans
+tens of binades: on a linear 2**e axis all but the top few would collapse at zero). The bucket of
+bin ``e + 151`` covers [e, e+1) and has the upper limit ``e + 1``, the log2 of the bin's upper edge
+2**(e+1). Zeros, Inf and NaN have no exponent and are left out (they are the scalars
+``grad_zero_fraction/<layer>`` and ``grad_nonfinite/<layer>``); so are the float64-only bins
+below 2**-149 and above 2**128.
+
+Layer: monitor. Imports :mod:`gradfuse.utils`, :mod:`gradfuse.numerics.histogram` (the bins) and
+:mod:`gradfuse.monitor.figures` (the pictures); the trackers are imported on first use.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import re
+import time
 
+from gradfuse.numerics.histogram import EXPONENT_OFFSET, MAX_EXPONENT, MIN_EXPONENT
 from gradfuse.utils import require
 
-__all__ = ["JsonlSink", "LoggingSink", "MetricsSink", "PrometheusSink", "TensorBoardSink", "WandbSink",
-           "metrics", "read_jsonl"]
+__all__ = ["JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "PrometheusSink", "TensorBoardSink",
+           "WandbSink", "exponent_buckets", "grafana_dashboard_path", "metrics", "read_jsonl"]
 
 
 class JsonlSink:
@@ -159,12 +185,86 @@ def metrics(record: dict) -> dict[str, float]:
     return m
 
 
-class TensorBoardSink:
-    """Scalars through a ``torch.utils.tensorboard.SummaryWriter``: total norm, clip coefficient
-    and clip events, and per layer L2 norm, zero fraction and non-finite count."""
+def exponent_buckets(entry: dict) -> tuple[list[int], list[int]] | None:
+    """A layer's ``exponents`` entry (``{"first_bin": b, "counts": [...]}``) as (edges, counts) on
+    the log2 axis: ``counts[i]`` elements have floor(log2|g|) in [edges[i], edges[i+1]), so
+    ``len(edges) == len(counts) + 1`` (numpy's histogram convention). Only the exponent bins
+    (-149 .. 127); None when none of them holds an element."""
+    first, counts = entry["first_bin"], entry["counts"]
+    lo_bin, hi_bin = MIN_EXPONENT + EXPONENT_OFFSET, MAX_EXPONENT + EXPONENT_OFFSET
+    pairs = [(b - EXPONENT_OFFSET, c) for b, c in enumerate(counts, first) if lo_bin <= b <= hi_bin]
+    while pairs and not pairs[-1][1]:
+        pairs.pop()
+    while pairs and not pairs[0][1]:
+        pairs.pop(0)
+    if not pairs:
+        return None
+    return [pairs[0][0] + i for i in range(len(pairs) + 1)], [c for _e, c in pairs]
 
-    def __init__(self, writer):
+
+class _Pictures:
+    """The pictures of a sink: a bounded window of the records it wrote (without ``params``,
+    ``act``, ``act_grad``), and every ``every``-th logged step (a record of a step already counted,
+    an anomaly's re-log, is not counted again) the figures of that window."""
+
+    def __init__(self, every: int, figure_fn, window: int):
+        if every < 0 or window < 1:
+            raise ValueError(f"gradfuse: images_every must be >= 0 and window >= 1, got {every}, {window}")
+        self.every = every
+        self.figure_fn = figure_fn
+        self.records = collections.deque(maxlen=window)
+        self.seen = 0
+        self.last_step = None
+        self.pending = False
+
+    def add(self, record: dict) -> bool:
+        """Keeps ``record``; True when pictures are due now."""
+        if not self.every:
+            return False
+        self.records.append({k: v for k, v in record.items() if k not in ("params", "act", "act_grad")})
+        if record["step"] == self.last_step:
+            self.pending = True
+            return False
+        self.last_step = record["step"]
+        self.seen += 1
+        due = self.seen % self.every == 0
+        self.pending = not due
+        return due
+
+    def figures(self) -> dict:
+        """tag -> matplotlib Figure, drawn from the window."""
+        self.pending = False
+        records = list(self.records)
+        if self.figure_fn is None:
+            from gradfuse.monitor.figures import record_figures
+            return record_figures(records)
+        out = self.figure_fn(records)
+        return out if isinstance(out, dict) else {"grad/gradflow": out}
+
+
+def _close_figure(fig) -> None:
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+class TensorBoardSink:
+    """Through a ``torch.utils.tensorboard.SummaryWriter``: the scalars of :func:`metrics` (total
+    norm, clip coefficient and clip events, per layer L2 norm, zero fraction, non-finite count,
+    ...), anomalies as text (``grad/anomaly``), and
+
+    - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer the gradient
+      exponent histogram ``grad_exponent/<layer>`` (``add_histogram_raw``; the value axis is
+      log2|g|: bucket limits ``e + 1``, see :func:`exponent_buckets`);
+    - ``images_every=N`` (default 0: none): every N-th logged step the pictures of the last
+      ``window`` records (``add_figure``; tags ``grad/gradflow`` and ``grad/exponents`` by
+      default, or what ``figure_fn(records)`` returns: a Figure, or a dict of tag -> Figure).
+    """
+
+    def __init__(self, writer, histograms: bool = True, images_every: int = 0, figure_fn=None,
+                 window: int = 500):
         self.writer = writer
+        self.histograms = histograms
+        self._pictures = _Pictures(images_every, figure_fn, window)
 
     def write(self, record: dict) -> None:
         step = record["step"]
@@ -172,9 +272,29 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, step)
         if record["anomalies"]:
             self.writer.add_text("grad/anomaly", record["message"] or ",".join(record["anomalies"]), step)
+        if self.histograms:
+            for layer, entry in (record.get("exponents") or {}).items():
+                buckets = exponent_buckets(entry)
+                if buckets is None:
+                    continue
+                edges, counts = buckets
+                mids = [e + 0.5 for e in edges[:-1]]
+                self.writer.add_histogram_raw(
+                    f"grad_exponent/{layer}", min=edges[0], max=edges[-1], num=sum(counts),
+                    sum=sum(m * c for m, c in zip(mids, counts)),
+                    sum_squares=sum(m * m * c for m, c in zip(mids, counts)),
+                    bucket_limits=edges[1:], bucket_counts=counts, global_step=step)
+        if self._pictures.add(record):
+            self._draw(step)
         self.writer.flush()
 
+    def _draw(self, step: int) -> None:
+        for tag, fig in self._pictures.figures().items():
+            self.writer.add_figure(tag, fig, global_step=step, close=True)
+
     def close(self) -> None:
+        if self._pictures.pending:
+            self._draw(self._pictures.last_step)
         self.writer.flush()
 
 
@@ -191,7 +311,156 @@ class MetricsSink:
         self.logger.log(metrics(record), step=record["step"])
 
 
-WandbSink = MetricsSink
+class WandbSink(MetricsSink):
+    """A Weights & Biases run (``wandb.init()``'s, or None: ``wandb.run`` when writing): the
+    metrics of :func:`metrics` in one ``run.log(..., step=)`` per record, and
+
+    - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer
+      ``grad_exponent/<layer>`` as ``wandb.Histogram(np_histogram=(counts, edges))`` on the log2
+      axis (:func:`exponent_buckets`);
+    - ``images_every=N`` (default 0): every N-th logged step the pictures as ``wandb.Image(fig)``
+      (tags as :class:`TensorBoardSink`'s);
+    - anomalies in ``run.summary``: ``grad/last_anomaly`` (the kinds, comma separated),
+      ``grad/last_anomaly_step``, ``grad/last_anomaly_message`` and ``grad/anomalies/<kind>``
+      (records with that kind this sink wrote);
+    - the monitor's settings in ``run.config["gradfuse"]`` (:meth:`on_start`).
+
+    Any other object with ``log(dict, step=)`` still works (as :class:`MetricsSink`; the
+    histograms and pictures then need ``wandb`` importable; summary and config are set when the
+    object has them)."""
+
+    def __init__(self, logger, histograms: bool = True, images_every: int = 0, figure_fn=None,
+                 window: int = 500):
+        if logger is not None:
+            super().__init__(logger)
+        else:
+            self.logger = None
+        self.histograms = histograms
+        self._pictures = _Pictures(images_every, figure_fn, window)
+        self._anomaly_counts: dict[str, int] = {}
+
+    def _run(self):
+        if self.logger is not None:
+            return self.logger
+        wandb = require("wandb", "wandb", "WandbSink")
+        if wandb.run is None:
+            raise RuntimeError("gradfuse.WandbSink(None) writes to wandb.run: call wandb.init() first")
+        return wandb.run
+
+    def on_start(self, config: dict) -> None:
+        config_obj = getattr(self._run(), "config", None)
+        if config_obj is not None:
+            config_obj.update({"gradfuse": config}, allow_val_change=True)
+
+    def write(self, record: dict) -> None:
+        run = self._run()
+        step = record["step"]
+        m = dict(metrics(record))
+        exps = record.get("exponents") if self.histograms else None
+        due = self._pictures.add(record)
+        if exps or due:
+            wandb = require("wandb", "wandb", "WandbSink")
+            for layer, entry in (exps or {}).items():
+                buckets = exponent_buckets(entry)
+                if buckets is not None:
+                    edges, counts = buckets
+                    m[f"grad_exponent/{layer}"] = wandb.Histogram(np_histogram=(counts, edges))
+            if due:
+                m.update(self._images(wandb))
+        run.log(m, step=step)
+        summary = getattr(run, "summary", None)
+        if record["anomalies"] and summary is not None:
+            for kind in record["anomalies"]:
+                self._anomaly_counts[kind] = self._anomaly_counts.get(kind, 0) + 1
+            summary.update({"grad/last_anomaly": ",".join(record["anomalies"]),
+                            "grad/last_anomaly_step": step,
+                            "grad/last_anomaly_message": record["message"] or "",
+                            **{f"grad/anomalies/{k}": v for k, v in self._anomaly_counts.items()}})
+
+    def _images(self, wandb) -> dict:
+        out = {}
+        for tag, fig in self._pictures.figures().items():
+            out[tag] = wandb.Image(fig)
+            _close_figure(fig)
+        return out
+
+    def close(self) -> None:
+        if self._pictures.pending:
+            wandb = require("wandb", "wandb", "WandbSink")
+            self._run().log(self._images(wandb), step=self._pictures.last_step)
+
+
+_MLFLOW_KEY = re.compile(r"[^\w\-. /]")
+
+
+class MLflowSink:
+    """An MLflow run through ``mlflow.tracking.MlflowClient``: per record, the metrics of
+    :func:`metrics` in one ``log_batch`` (at the record's step; characters MLflow refuses in a
+    key, as in a layer called ``(root)``, become ``_``); anomalies as tags
+    (``gradfuse.last_anomaly``: the kinds, ``gradfuse.last_anomaly_step``,
+    ``gradfuse.last_anomaly_message``, ``gradfuse.anomalies.<kind>``: records with that kind);
+    the monitor's settings as params ``gradfuse.<name>`` (:meth:`on_start`); and with
+    ``images_every=N`` every N-th logged step the pictures as artifacts
+    ``gradfuse/<tag>_step<step>.png`` (``log_figure``; tags as :class:`TensorBoardSink`'s, ``/``
+    as ``_``).
+
+    ``run_id``: the run to write to; None: the active run (``mlflow.start_run()``), with the
+    tracking URI in force. ``tracking_uri``: where the run is (None: MLflow's default)."""
+
+    def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
+                 images_every: int = 0, figure_fn=None, window: int = 500):
+        mlflow = require("mlflow", "mlflow", "MLflowSink")
+        if run_id is None:
+            active = mlflow.active_run()
+            if active is None:
+                raise ValueError("gradfuse.MLflowSink: no active MLflow run: call mlflow.start_run() "
+                                 "first or pass run_id=")
+            run_id = active.info.run_id
+        from mlflow.tracking import MlflowClient
+        self.client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+        self._pictures = _Pictures(images_every, figure_fn, window)
+        self._anomaly_counts: dict[str, int] = {}
+
+    @staticmethod
+    def key(name: str) -> str:
+        """``name`` as an MLflow metric, param or tag key."""
+        return _MLFLOW_KEY.sub("_", name)
+
+    def on_start(self, config: dict) -> None:
+        from mlflow.entities import Param, RunTag
+        params = [Param(self.key(f"gradfuse.{k}"), str(v)) for k, v in config.items() if k != "start_step"]
+        tags = [RunTag("gradfuse.start_step", str(config.get("start_step")))]
+        self.client.log_batch(self.run_id, params=params, tags=tags)
+
+    def write(self, record: dict) -> None:
+        from mlflow.entities import Metric, RunTag
+        step = record["step"]
+        now = int(time.time() * 1000)
+        batch = [Metric(self.key(k), float(v), now, step) for k, v in metrics(record).items()]
+        tags = []
+        if record["anomalies"]:
+            for kind in record["anomalies"]:
+                self._anomaly_counts[kind] = self._anomaly_counts.get(kind, 0) + 1
+            tags = [RunTag("gradfuse.last_anomaly", ",".join(record["anomalies"])),
+                    RunTag("gradfuse.last_anomaly_step", str(step)),
+                    RunTag("gradfuse.last_anomaly_message", (record["message"] or "")[:4000])]
+            tags += [RunTag(self.key(f"gradfuse.anomalies.{k}"), str(v)) for k, v in self._anomaly_counts.items()]
+        for i in range(0, max(len(batch), 1), 1000):  # MLflow takes at most 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000], tags=tags if i == 0 else [])
+        if self._pictures.add(record):
+            self._draw(step)
+
+    def _draw(self, step: int) -> None:
+        for tag, fig in self._pictures.figures().items():
+            try:
+                self.client.log_figure(self.run_id, fig, f"gradfuse/{tag.replace('/', '_')}_step{step:08d}.png")
+            finally:
+                _close_figure(fig)
+
+    def close(self) -> None:
+        if self._pictures.pending:
+            self._draw(self._pictures.last_step)
 
 
 class LoggingSink:
@@ -211,26 +480,78 @@ class LoggingSink:
 
 
 class PrometheusSink:
-    """Prometheus gauges (``prometheus_client``): ``<prefix>_total_norm``, ``<prefix>_clip_coef``,
+    """Prometheus metrics (``prometheus_client``), all gauges but the counters:
+    ``<prefix>_total_norm``, ``<prefix>_clip_coef``, ``<prefix>_max_norm`` (the clip threshold
+    of the step), ``<prefix>_clipped`` (1 when the logged step was clipped),
     ``<prefix>_layer_l2{layer=...}``, ``<prefix>_layer_zero_fraction{layer=...}``, and the
-    counters ``<prefix>_anomalies_total{kind=...}``."""
+    counters ``<prefix>_anomalies_total{kind=...}``, ``<prefix>_clipped_steps_total`` and
+    ``<prefix>_steps_total`` (the monitor's run totals, every step counted, logged or not).
+
+    Records with a ``rank`` key (``GradMonitor(sink_ranks="all")``) put a ``rank`` label on every
+    metric: the first such record re-registers them with it.
+    ``gradfuse/monitor/grafana_dashboard.json`` (:func:`grafana_dashboard_path`) is a Grafana
+    dashboard of these metrics for the default prefix."""
 
     def __init__(self, registry=None, prefix: str = "gradfuse"):
-        prom = require("prometheus_client", "prometheus-client", "PrometheusSink")
-        kw = {"registry": registry} if registry is not None else {}
-        self.total_norm = prom.Gauge(f"{prefix}_total_norm", "total gradient norm", **kw)
-        self.clip_coef = prom.Gauge(f"{prefix}_clip_coef", "clip coefficient applied", **kw)
-        self.layer_l2 = prom.Gauge(f"{prefix}_layer_l2", "gradient L2 norm per layer", ["layer"], **kw)
+        self._prom = require("prometheus_client", "prometheus-client", "PrometheusSink")
+        self._registry = registry if registry is not None else self._prom.REGISTRY
+        self._prefix = prefix
+        self._rank_label = False
+        self._last_counters: dict[str, float] = {}
+        self._make(())
+
+    def _make(self, extra: tuple) -> None:
+        prom, prefix, kw = self._prom, self._prefix, {"registry": self._registry}
+        self.total_norm = prom.Gauge(f"{prefix}_total_norm", "total gradient norm", list(extra), **kw)
+        self.clip_coef = prom.Gauge(f"{prefix}_clip_coef", "clip coefficient applied", list(extra), **kw)
+        self.max_norm = prom.Gauge(f"{prefix}_max_norm", "clip threshold of the step", list(extra), **kw)
+        self.clipped = prom.Gauge(f"{prefix}_clipped", "1 when the logged step was clipped", list(extra), **kw)
+        self.layer_l2 = prom.Gauge(f"{prefix}_layer_l2", "gradient L2 norm per layer", ["layer", *extra], **kw)
         self.layer_zero = prom.Gauge(f"{prefix}_layer_zero_fraction", "zero gradients per layer",
-                                     ["layer"], **kw)
-        self.anomalies = prom.Counter(f"{prefix}_anomalies", "gradient anomalies", ["kind"], **kw)
+                                     ["layer", *extra], **kw)
+        self.anomalies = prom.Counter(f"{prefix}_anomalies", "gradient anomalies", ["kind", *extra], **kw)
+        self.clipped_steps = prom.Counter(f"{prefix}_clipped_steps", "steps on which clipping scaled "
+                                          "the gradients", list(extra), **kw)
+        self.steps = prom.Counter(f"{prefix}_steps", "steps taken", list(extra), **kw)
+
+    def _collectors(self) -> list:
+        return [self.total_norm, self.clip_coef, self.max_norm, self.clipped, self.layer_l2, self.layer_zero,
+                self.anomalies, self.clipped_steps, self.steps]
 
     def write(self, record: dict) -> None:
-        self.total_norm.set(record["total_norm"])
+        if "rank" in record and not self._rank_label:
+            for c in self._collectors():
+                self._registry.unregister(c)
+            self._rank_label = True
+            self._make(("rank",))
+        rank = {"rank": str(record["rank"])} if self._rank_label else {}
+
+        def m(metric, **labels):
+            labels.update(rank)
+            return metric.labels(**labels) if labels else metric
+
+        m(self.total_norm).set(record["total_norm"])
         if record["clip_coef"] is not None:
-            self.clip_coef.set(record["clip_coef"])
+            m(self.clip_coef).set(record["clip_coef"])
+            m(self.clipped).set(float(bool(record["clipped"])))
+        if record.get("max_norm") is not None:
+            m(self.max_norm).set(record["max_norm"])
         for layer, a in record["layers"].items():
-            self.layer_l2.labels(layer=layer).set(a["l2"])
-            self.layer_zero.labels(layer=layer).set(a["zero_fraction"])
+            m(self.layer_l2, layer=layer).set(a["l2"])
+            m(self.layer_zero, layer=layer).set(a["zero_fraction"])
         for kind in record["anomalies"]:
-            self.anomalies.labels(kind=kind).inc()
+            m(self.anomalies, kind=kind).inc()
+        counters = record.get("counters") or {}
+        for name, metric in (("clipped_steps", self.clipped_steps), ("steps", self.steps)):
+            if name in counters:  # run totals: the counter moves by what they grew since the last record
+                grew = counters[name] - self._last_counters.get(name, 0)
+                if grew > 0:
+                    m(metric).inc(grew)
+                self._last_counters[name] = max(counters[name], self._last_counters.get(name, 0))
+
+
+def grafana_dashboard_path() -> str:
+    """The path of the Grafana dashboard shipped with gradfuse (JSON, for provisioning or
+    import): total norm and clip threshold, clip events, per-layer L2 norms as a heatmap,
+    anomalies; for :class:`PrometheusSink`'s metrics with the default prefix."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "grafana_dashboard.json")
