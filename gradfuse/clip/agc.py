@@ -36,18 +36,32 @@ def _unit_count(t: torch.Tensor) -> int:
 @torch.no_grad()
 def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3,
                         norm_type: float = 2.0) -> None:
-    """Adaptive gradient clipping (Brock et al. 2021), as ``timm.utils.adaptive_clip_grad``:
-    each unit of a gradient (a row along dim 0 of a weight of 2 or more dims; a whole bias or
+    """Adaptive gradient clipping (Brock et al. 2021), as ``timm.utils.adaptive_clip_grad``.
+
+    Each unit of a gradient (a row along dim 0 of a weight of 2 or more dims; a whole bias or
     norm vector) whose norm is at least ``clip_factor * max(||unit of the weight||, eps)`` is
     scaled to that norm. Same results as timm, with the unit norms of the weights and of the
     gradients from two fused passes and one unit-wise scale pass, coefficients on the device.
+    An empty gradient is left alone.
 
-    Example::
+    Args:
+        parameters: A tensor or an iterable of parameters; those without ``.grad`` are left out.
+        clip_factor: The largest ratio of a unit's gradient norm to its weight norm; positive.
+        eps: The smallest weight norm a unit is measured against; non-negative.
+        norm_type: The order of the unit norms: >= 0 or ``inf``.
 
+    Returns:
+        None; the gradients are scaled in place.
+
+    Raises:
+        ValueError: ``clip_factor``, ``eps`` or ``norm_type`` out of range.
+        TypeError: DTensor parameters (a unit of a sharded weight spans ranks).
+
+    Example:
+        ```python
         loss.backward()
         gradfuse.adaptive_clip_grad_(model.parameters(), clip_factor=0.01)
-
-    DTensor parameters are refused (a unit of a sharded weight spans ranks).
+        ```
     """
     clip_factor, eps, p = check_agc_args(clip_factor, eps, norm_type)
     if isinstance(parameters, torch.Tensor):

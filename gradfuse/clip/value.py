@@ -63,19 +63,30 @@ def clamp_stats_(names: list[str], grads: list[torch.Tensor], clip_value: float)
 
 @torch.no_grad()
 def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:
-    """Drop-in for :func:`torch.nn.utils.clip_grad_value_`: clamps the gradients of
-    ``parameters`` in place to ``[-clip_value, clip_value]``, one fused pass per (device, dtype)
-    group. Same arguments and results; a negative or NaN ``clip_value`` is refused with a
-    ValueError (torch clamps every gradient to ``-|clip_value|`` / NaN). ``foreach=True`` on a
-    device without foreach support raises as torch does.
+    """Drop-in for `torch.nn.utils.clip_grad_value_`: clamps the gradients in place.
 
-    Example::
+    The gradients of ``parameters`` are clamped to ``[-clip_value, clip_value]``, one fused pass
+    per (device, dtype) group, with torch's arguments and results. For the statistics from
+    before clamping and the clamped counts: ``gradfuse.clip_(model, None, value=0.5)``.
 
+    Args:
+        parameters: A tensor or an iterable of parameters; those without ``.grad`` are left out.
+        clip_value: The bound; a non-negative number.
+        foreach: As torch's: ``True`` on a device without foreach support raises.
+
+    Returns:
+        None; the gradients are clamped in place.
+
+    Raises:
+        ValueError: ``clip_value`` is negative, NaN or not a number (torch would clamp every
+            gradient to ``-|clip_value|`` / NaN).
+        RuntimeError: ``foreach=True`` on a device without foreach support, as torch raises.
+
+    Example:
+        ```python
         loss.backward()
         gradfuse.clip_grad_value_(model.parameters(), clip_value=0.5)
-
-    For the statistics from before clamping and the clamped counts:
-    ``gradfuse.clip_(model, value=0.5)``.
+        ```
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

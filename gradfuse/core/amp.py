@@ -97,18 +97,37 @@ def finish_unscale_(scaler, optimizer, grads, s: GradStats, inv_scale: torch.Ten
 @torch.no_grad()
 def unscale_clip_(optimizer: torch.optim.Optimizer, scaler, max_norm: float | None = None,
                   norm_type: float = 2.0, names_by_param: nn.Module | dict | None = None) -> GradStats:
-    """``scaler.unscale_(optimizer)``, statistics and (with ``max_norm``) clipping, fused: one
-    read and one write of the gradients. Returns the statistics of the unscaled gradients, from
-    before clipping. Then call ``scaler.step(optimizer)`` and ``scaler.update()`` as usual::
+    """``scaler.unscale_(optimizer)``, statistics and (with ``max_norm``) clipping, fused.
 
+    One read and one write of the gradients instead of three reads and two writes. Then call
+    ``scaler.step(optimizer)`` and ``scaler.update()`` as usual: a step whose gradients hold
+    Inf/NaN is skipped by the scaler. With a disabled scaler, only the statistics (and clip).
+
+    Args:
+        optimizer: The optimizer whose parameters' gradients are unscaled.
+        scaler: The ``torch.amp.GradScaler`` that scaled the loss.
+        max_norm: Clip by this total norm (None: statistics only).
+        norm_type: The order of the norm.
+        names_by_param: Names for the rows: the model, or a dict ``id(param) -> name``. Without
+            it, the names the optimizer was built with (``AdamW(model.named_parameters())``),
+            else ``group{g}.{i}``.
+
+    Returns:
+        GradStats: The statistics of the unscaled gradients, from before clipping.
+
+    Raises:
+        RuntimeError: ``unscale_()`` was already called on this optimizer since the last
+            ``update()``, or this is called after ``scaler.step()``, or the scaler has no scale
+            yet.
+        ValueError: ``max_norm`` is negative or NaN, or ``norm_type`` is NaN.
+
+    Example:
+        ```python
         scaler.scale(loss).backward()
         s = gradfuse.unscale_clip_(optimizer, scaler, max_norm=1.0, names_by_param=model)
         scaler.step(optimizer)
         scaler.update()
-
-    Parameters are named by ``names_by_param`` (the model, or a dict id(param) -> name), else by
-    the names the optimizer was built with (``AdamW(model.named_parameters())``), else
-    ``group{g}.{i}``.
+        ```
     """
     p = check_norm_type(norm_type)
     max_norm = None if max_norm is None else check_max_norm(max_norm)

@@ -60,20 +60,35 @@ def _param_watch_class():
 
 
 class GradWatch:
-    """A model's parameters, resolved once, for per-step :meth:`stats` and :meth:`clip_`.
+    """A model's parameters, resolved once, for per-step [`stats`][gradfuse.GradWatch.stats] and [`clip_`][gradfuse.GradWatch.clip_].
 
-    Create with :func:`gradfuse.watch`. ``names`` and ``params`` are the watched parameters
-    (with or without a gradient). Each call reads the current gradients (``zero_grad`` may
-    have replaced them) and returns what ``gradfuse.stats(source, norm_type=...)`` /
-    ``gradfuse.clip_(source, ...)`` would, bit for bit.
+    Create with [`gradfuse.watch`][gradfuse.watch]. Each call reads the current gradients
+    (``zero_grad`` may have replaced them) and returns what
+    ``gradfuse.stats(source, norm_type=...)`` / ``gradfuse.clip_(source, ...)`` would, bit for
+    bit; from the second call on, in C++ without per-parameter Python.
 
     When a watched module changes: registering a parameter or submodule anywhere
     (``model.head = nn.Linear(...)``, ``model.fc.weight = nn.Parameter(...)``,
     ``ModuleList.append``) is seen by global registration hooks, and the next call re-resolves
     the parameters. Changes that bypass registration are not seen: ``del model.layer``,
     ``model.fc.weight = None``, writing ``module._parameters`` directly,
-    ``torch.utils.swap_tensors`` on a parameter; call :meth:`refresh` after those. An iterable
-    source is listed once, at :func:`gradfuse.watch`.
+    ``torch.utils.swap_tensors`` on a parameter; call [`refresh`][gradfuse.GradWatch.refresh]
+    after those. An iterable source is listed once, at ``gradfuse.watch``.
+
+    Attributes:
+        names (list[str]): The watched parameters' names (with or without a gradient).
+        params (list[torch.Tensor]): The watched parameters, in the order of ``names``.
+        norm_type (float): The order of the norms.
+        group: The process group of ``group=``, or None.
+        last_path (str | None): What served the last call: ``"fast"`` (C++) or ``"python"``.
+
+    Example:
+        ```python
+        g = gradfuse.watch(model)
+        loss.backward()
+        s = g.clip_(max_norm=1.0)      # == gradfuse.clip_(model, 1.0)
+        print(g.last_path)
+        ```
     """
 
     def __init__(self, source, *, norm_type: float = 2.0, group=None):
@@ -89,7 +104,11 @@ class GradWatch:
         self.refresh()
 
     def refresh(self) -> None:
-        """Resolves the parameters again (see the class docstring for when that is needed)."""
+        """Resolves the parameters again (see the class docstring for when that is needed).
+
+        Returns:
+            None.
+        """
         source = self._module if self._module is not None else self._items
         self.names, self.params = named_params(source)
         self._resolved_at = _registrations
@@ -112,9 +131,19 @@ class GradWatch:
 
     def stats(self, *, rows: bool = True) -> GradStats:
         """Statistics of the current gradients: ``gradfuse.stats(source, norm_type=...)``.
-        ``rows=False``: for DTensor gradients only the total norm is reduced now (one scalar
-        all-reduce per sharded mesh dimension, as torch's clip_grad_norm_); the per-parameter
-        rows are reduced when first read, which every rank must then do."""
+
+        Args:
+            rows: False: for DTensor gradients only the total norm is reduced now (one scalar
+                all-reduce per sharded mesh dimension, as torch's clip_grad_norm_); the per-parameter
+                rows are reduced when first read, which every rank must then do.
+
+        Returns:
+            GradStats: The statistics, bitwise those of [`gradfuse.stats`][gradfuse.stats].
+
+        Raises:
+            gradfuse.core.params.GradientTypeError: a gradient of an integer or bool dtype, sparse or
+                complex.
+        """
         if self._fast_ready():
             out = self._fast.stats(self.norm_type)
             if out:
@@ -125,8 +154,20 @@ class GradWatch:
     @torch.no_grad()
     def clip_(self, max_norm: float, error_if_nonfinite: bool = False, *,
               rows: bool = True) -> GradStats:
-        """Clips the current gradients in place by total norm and returns their statistics from
-        before clipping: ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``."""
+        """Clips the current gradients in place by total norm: ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``.
+
+        Args:
+            max_norm: The largest total norm; a non-negative number.
+            error_if_nonfinite: Raise when the total norm is NaN or Inf, naming the parameters.
+            rows: As for [`stats`][gradfuse.GradWatch.stats].
+
+        Returns:
+            GradStats: The statistics from before clipping, with ``clip_coef`` and ``clipped``.
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite=True`` and the total norm is NaN or Inf.
+            ValueError: ``max_norm`` is negative or NaN.
+        """
         max_norm = check_max_norm(max_norm)
         if not error_if_nonfinite and self._fast_ready():
             out = self._fast.clip(self.norm_type, max_norm)
@@ -141,9 +182,15 @@ class GradWatch:
 
     @torch.no_grad()
     def scale_by(self, coef: torch.Tensor) -> bool:
-        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for
-        gradfuse.ZClip), without per-parameter Python; False, nothing touched, when the fast path
-        cannot (the caller then scales through gradfuse.core.engine)."""
+        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for gradfuse.ZClip), without per-parameter Python.
+
+        Args:
+            coef: A 0-d tensor on the gradients' device.
+
+        Returns:
+            bool: False, and nothing touched, when the fast path cannot (the caller then scales
+                through gradfuse.core.engine).
+        """
         if not self._fast_ready():
             return False
         try:
@@ -173,8 +220,17 @@ class GradWatch:
 
     @torch.no_grad()
     def clip_to(self, s: GradStats, max_norm: float) -> GradStats:
-        """Scales the gradients ``s`` was taken of, this step, so that their total norm is at
-        most ``max_norm``; ``s`` with ``clip_coef`` set (GradMonitor: stats, policies, clip)."""
+        """Scales the gradients ``s`` was taken of, this step, so that their total norm is at most ``max_norm``.
+
+        Used by GradMonitor (stats, then policies, then clip).
+
+        Args:
+            s: This step's statistics of the watched gradients.
+            max_norm: The largest total norm.
+
+        Returns:
+            GradStats: ``s`` with ``clip_coef`` (and ``clipped``) set.
+        """
         if self._fast_ready():
             out = self._fast.clip_to(s.total_norm, max_norm)
             if out:
@@ -186,17 +242,28 @@ class GradWatch:
 
 
 def watch(source, *, norm_type: float = 2.0, group=None) -> GradWatch:
-    """A handle on the parameters of ``source`` (an ``nn.Module``, a tensor, or an iterable of
-    parameters or of ``(name, parameter)`` pairs), resolved once, for every step's statistics
-    and clipping::
+    """A handle on the parameters of ``source``, resolved once, for every step's statistics and clipping.
 
+    Args:
+        source: An ``nn.Module``, a tensor, or an iterable of parameters or of
+            ``(name, parameter)`` pairs.
+        norm_type: As for [`gradfuse.stats`][gradfuse.stats].
+        group: As for [`gradfuse.stats`][gradfuse.stats].
+
+    Returns:
+        GradWatch: The handle; see it for when the parameters are resolved again.
+
+    Raises:
+        ValueError: ``norm_type`` is NaN or not a number.
+        gradfuse.core.params.ParametersTypeError: ``source`` holds something that is not a tensor.
+
+    Example:
+        ```python
         g = gradfuse.watch(model)
         for batch in loader:
             loss = model(batch).mean(); loss.backward()
             s = g.clip_(max_norm=1.0)   # == gradfuse.clip_(model, 1.0), without per-parameter Python
             optimizer.step(); optimizer.zero_grad()
-
-    ``norm_type`` and ``group`` are those of :func:`gradfuse.stats`. See :class:`GradWatch` for
-    when the parameters are resolved again.
+        ```
     """
     return GradWatch(source, norm_type=norm_type, group=group)

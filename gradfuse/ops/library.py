@@ -68,8 +68,20 @@ if extension is None and os.environ.get("GRADFUSE_REQUIRE_EXT") == "1":
 
 
 def build_info() -> dict:
-    """What the extension was built against: torch and CUDA versions, CUDA archs, whether the
-    CUDA kernels were built, the chunk size, and the CPU kernel build in use."""
+    """What the extension was built against.
+
+    Returns:
+        dict: torch and CUDA versions, CUDA architectures, whether the CUDA kernels were built,
+            the chunk size, and the CPU kernel build in use (``cpu_capability``), with
+            ``extension_loaded: True``; when ``gradfuse._C`` could not be loaded,
+            ``{"extension_loaded": False, "error": ..., "torch_version": ...}``.
+
+    Example:
+        ```python
+        info = gradfuse.build_info()
+        print(info["extension_loaded"], info.get("with_cuda"))
+        ```
+    """
     if extension is None:
         return {"extension_loaded": False, "error": load_error, "torch_version": torch.__version__}
     info = dict(extension.build_info())
@@ -142,8 +154,20 @@ def has_kernel(device_type: str) -> bool:
 
 
 def backend(device: torch.device | str) -> str:
-    """Which implementation runs on ``device``: ``"cpu-avx2"``, ``"cpu-default"``, ``"cuda"``,
-    or ``"reference"`` (pure PyTorch, when gradfuse._C has no kernel for it)."""
+    """Which implementation runs on ``device``.
+
+    Args:
+        device: A ``torch.device`` or a string such as ``"cpu"`` or ``"cuda:0"``.
+
+    Returns:
+        str: ``"cpu-avx2"``, ``"cpu-default"``, ``"cuda"``, ``"meta"``, or ``"reference"``
+            (pure PyTorch, when gradfuse._C has no kernel for it).
+
+    Example:
+        ```python
+        print(gradfuse.backend("cpu"))    # e.g. "cpu-avx2"
+        ```
+    """
     device = torch.device(device)
     if device.type in ("meta",):
         return "meta"
