@@ -204,11 +204,31 @@ def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
 
 
 class ActivationStats(GradStats):
-    """:class:`GradStats` of module outputs (or of the gradients with respect to them): every
-    column GradStats has (``l2``, ``linf``, ``mean``, NaN / Inf / zero counts, ``zero_fraction``),
-    plus ``std`` (unbiased, as ``torch.std``), ``dead_units`` and ``units`` per row, and
-    ``modules`` (the module name of each row). ``scope`` is ``"rank"`` under torch.distributed
-    with several ranks: activations are this rank's."""
+    """[`GradStats`][gradfuse.GradStats] of module outputs (or of the gradients with respect to them).
+
+    Every column GradStats has (``l2``, ``linf``, ``mean``, NaN / Inf / zero counts,
+    ``zero_fraction``), plus ``std`` and ``rms`` per row, and per row the dead units. Rows are
+    named after the module (``name``, ``name[0]`` for tuple outputs, ``name#1`` for a second call),
+    in execution order (backward order for gradients). Made by
+    [`capture_activations`][gradfuse.capture_activations] (``cap.forward``, ``cap.backward``).
+
+    Attributes:
+        modules (list[str]): The module name of each row, as in ``named_modules()`` (the model
+            itself is ``(root)``).
+        dead_units (torch.Tensor): int64 ``[n]``: units (features of the last dimension, or
+            channels for conv, norm and pooling outputs and outputs of 4+ dimensions) that are
+            exactly zero for every example and position of the batch.
+        units (torch.Tensor): int64 ``[n]``: the units of each row.
+        scope (str): ``"all"``, or ``"rank"`` under torch.distributed with several ranks:
+            activations are this rank's.
+
+    Example:
+        ```python
+        with gradfuse.capture_activations(model) as cap:
+            model(x).square().mean().backward()
+        print(cap.forward.std, cap.forward.dead_units)
+        ```
+    """
 
     def __init__(self, names: list[str], modules: list[str], floats: torch.Tensor,
                  counts: torch.Tensor, dead_units: torch.Tensor, units: torch.Tensor,
@@ -364,12 +384,21 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 class ActivationCapture:
-    """Watches the forward and backward passes of a model; see :func:`capture_activations`.
+    """Watches the forward and backward passes of a model; see [`capture_activations`][gradfuse.capture_activations].
 
-    ``forward`` / ``backward``: :class:`ActivationStats` of the module outputs and of the
-    gradients with respect to them (rows in execution order). ``first_nonfinite``: None, or
-    ``("forward" | "backward", module name)`` (see :func:`capture_activations`); ``describe_nonfinite()``
-    says it in words. ``skipped``: modules left out, with the reason.
+    Attributes:
+        forward (ActivationStats): Statistics of the module outputs, in execution order.
+        backward (ActivationStats): Statistics of the gradients with respect to the outputs.
+        first_nonfinite (tuple[str, str] | None): None, or ``("forward" | "backward", module
+            name)``; ``describe_nonfinite()`` says it in words.
+        skipped (dict[str, str]): Modules left out, with the reason.
+
+    Example:
+        ```python
+        with gradfuse.capture_activations(model, modules=["0", "2"]) as cap:
+            model(x).sum().backward()
+        print(cap.skipped, cap.first_nonfinite)
+        ```
     """
 
     def __init__(self, model: nn.Module, modules=None, grads: bool = True,
@@ -674,14 +703,14 @@ class ActivationCapture:
 
 def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | str | nn.Module | None = None,
                         grads: bool = True, trace_nonfinite: bool = False) -> ActivationCapture:
-    """A context manager that watches the forward and backward passes run inside it::
+    """A context manager that watches the forward and backward passes run inside it.
 
-        with gradfuse.capture_activations(model) as cap:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-        print(cap.forward.table())            # module outputs
-        print(cap.backward.table())           # gradients with respect to them
-        cap.first_nonfinite                   # None, or ("forward" | "backward", module name)
+    ``first_nonfinite`` is the first module in execution order whose forward output held a NaN or
+    an Inf, else the module whose backward first handed back a non-finite gradient (the last
+    module, in backward order, whose own output gradient was still finite; when none was, the
+    non-finite gradient came from the loss, and the module whose output gradient held it is
+    named). See the module docstring of ``gradfuse.activations.capture`` for names, in-place
+    modules, dead units and cost.
 
     Args:
         model: the module whose submodules are watched.
@@ -689,14 +718,26 @@ def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | s
             None: every module, leaves and blocks (those whose output holds no floating tensor
             give no row).
         grads: also the gradients with respect to the outputs (tensor hooks); False: forward only.
-        trace_nonfinite: accepted for symmetry with :class:`GradMonitor`: ``first_nonfinite``
-            is always available, from the NaN / Inf counts every row has.
+        trace_nonfinite: accepted for symmetry with [`GradMonitor`][gradfuse.GradMonitor]:
+            ``first_nonfinite`` is always available, from the NaN / Inf counts every row has.
 
-    ``first_nonfinite`` is the first module in execution order whose forward output held a NaN or
-    an Inf, else the module whose backward first handed back a non-finite gradient (the last
-    module, in backward order, whose own output gradient was still finite; when none was, the
-    non-finite gradient came from the loss, and the module whose output gradient held it is
-    named). See the module docstring of :mod:`gradfuse.activations.capture` for names, in-place modules,
-    dead units and cost.
+    Returns:
+        ActivationCapture: Use it in a ``with`` block; the hooks are removed when it exits, also
+            on an exception.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``model`` is compiled with ``torch.compile`` (hooks registered and removed on
+            sampled steps would change what it guards on).
+
+    Example:
+        ```python
+        with gradfuse.capture_activations(model) as cap:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        print(cap.forward.table())            # module outputs
+        print(cap.backward.table())           # gradients with respect to them
+        cap.first_nonfinite                   # None, or ("forward" | "backward", module name)
+        ```
     """
     return ActivationCapture(model, modules, grads=grads, trace_nonfinite=trace_nonfinite)

@@ -18,33 +18,64 @@ PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "ze
 
 
 class GradStats:
-    """Statistics of a set of gradients: per parameter (rows follow :attr:`names`) and in total.
+    """Statistics of a set of gradients: per parameter (rows follow ``names``) and in total.
 
-    Every attribute is a tensor on the device of the first gradient and is computed without host
-    synchronisation. Reading values as Python numbers (:meth:`to_dict`, :meth:`table`,
-    :meth:`nonfinite_names`) copies everything to the host in one transfer, once, and caches it.
+    Every statistic is a tensor on the device of the first gradient and is computed without host
+    synchronisation. Reading values as Python numbers ([`to_dict`][gradfuse.GradStats.to_dict],
+    [`table`][gradfuse.GradStats.table], [`nonfinite_names`][gradfuse.GradStats.nonfinite_names])
+    copies everything to the host in one transfer, once, and caches it. In Jupyter a GradStats
+    shows as an HTML table.
 
     Per parameter (1-d tensors): ``numel``, ``l2``, ``linf``, ``mean``, ``nan_count``,
     ``inf_count``, ``zero_count``, ``zero_fraction`` (float64 / int64). L2 and L-infinity
     follow ``torch.linalg.vector_norm`` (NaN and Inf propagate); an empty gradient has
     ``l2 = linf = mean = zero_fraction = 0``.
 
-    In total (0-d tensors): ``total_norm`` (of order ``norm_type``, in the gradients' dtype as
-    ``clip_grad_norm_`` returns it), ``nonfinite`` (any NaN or Inf element in any gradient),
-    and after :func:`gradfuse.clip_` also ``clip_coef`` (the factor applied, at most 1) and
-    ``clipped``. Like torch.nn.utils, the total norm of gradients is the norm of their
-    norms: for ``norm_type=0`` that is the number of parameters with a non-zero gradient element
-    (:func:`gradfuse.tensor_stats` counts the non-zero elements; so does ``norm(0).sum()``).
-    For DTensor gradients ``total_norm`` is a DTensor with the placements torch gives it
-    (``.full_tensor()`` reads it).
+    Like torch.nn.utils, the total norm of gradients is the norm of their norms: for
+    ``norm_type=0`` that is the number of parameters with a non-zero gradient element
+    ([`gradfuse.tensor_stats`][gradfuse.tensor_stats] counts the non-zero elements; so does
+    ``norm(0).sum()``).
 
-    ``scope`` is ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
-    rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
-
-    Clipping modes (:mod:`gradfuse.clip`): after ``clip_(..., per="param"|"layer")``
+    Clipping modes ([`gradfuse.clip`](gradfuse.clip.md)): after ``clip_(..., per="param"|"layer")``
     ``clip_coef`` and ``clipped`` are 1-d, one entry per row (``clip_per`` says which); after
     ``clip_(..., value=v)`` ``clamped`` holds the elements changed per row, ``clipped`` is
     ``clamped > 0`` and ``clip_value`` is ``v``.
+
+    Made by [`gradfuse.stats`][gradfuse.stats], [`gradfuse.tensor_stats`][gradfuse.tensor_stats],
+    [`gradfuse.clip_`][gradfuse.clip_] and [`GradWatch`][gradfuse.GradWatch]; not constructed
+    directly.
+
+    Attributes:
+        names (list[str]): The row names: parameter names (``0.weight``), or ``[i]`` / dict keys
+            for ``tensor_stats``. With several (device, dtype) groups, rows are ordered group by
+            group.
+        total_norm (torch.Tensor): 0-d, of order ``norm_type``, in the gradients' dtype as
+            ``clip_grad_norm_`` returns it; for DTensor gradients a DTensor with the placements
+            torch gives it (``.full_tensor()`` reads it).
+        norm_type (float): The order of ``total_norm``.
+        clip_coef (torch.Tensor | None): After clipping, the factor applied (at most 1): 0-d, or
+            one entry per row after ``per=``; None before clipping.
+        max_norm (float | None): The clip threshold used, if any.
+        scope (str): ``"all"``, or ``"rank"`` when taken with ``group=``: then the rows are this
+            rank's parameters while ``total_norm`` and ``nonfinite`` cover the group.
+        exponent_histogram (torch.Tensor | None): With ``histogram=True``: int64 ``[n, 283]``,
+            per row the count of elements of each binary exponent (bins in
+            [`gradfuse.histogram`](gradfuse.histogram.md)); else None.
+        headroom (dict[str, torch.Tensor] | None): With ``histogram=True``: ``{column: float64 [n]}``,
+            the fractions that would underflow, become subnormal or overflow per format (columns in
+            [`gradfuse.headroom`](gradfuse.headroom.md)); else None.
+        clip_per (str | None): ``"param"`` or ``"layer"`` after ``clip_(..., per=...)``.
+        clamped (torch.Tensor | None): After ``clip_(..., value=v)``: elements changed per row.
+        clip_value (float | None): After ``clip_(..., value=v)``: ``v``.
+
+    Example:
+        ```python
+        loss.backward()
+        s = gradfuse.stats(model)
+        s.total_norm                    # 0-d tensor, on the device
+        print(s.table(top=5))           # one host transfer
+        row = s.to_dict()["params"]["0.weight"]
+        ```
     """
 
     # With histogram=True (gradfuse.numerics.histogram): int64 [n, 283] exponent histogram per
@@ -241,9 +272,16 @@ class GradStats:
         return self._host_cache
 
     def to_dict(self) -> dict:
-        """All statistics as Python numbers: ``{"total_norm", "norm_type", "nonfinite",
-        "clip_coef", "clipped", "params": {name: {numel, l2, linf, mean, nan_count, inf_count,
-        zero_count, zero_fraction}}}``."""
+        """All statistics as Python numbers, read in one transfer.
+
+        Returns:
+            dict: ``{"total_norm", "norm_type", "nonfinite", "scope", "clip_coef", "clipped",
+                "max_norm", "params": {name: {numel, l2, linf, mean, nan_count, inf_count,
+                zero_count, zero_fraction}}}``; after ``per=`` each row also has ``clip_coef`` and
+                ``clipped``, and the dict ``clip_per`` and ``clipped_params``; after ``value=`` each row
+                has ``clamped`` and ``clipped``, and the dict ``clip_value``, ``clamped`` and
+                ``clipped_params``.
+        """
         h = self._host()
         params = {}
         for name, (l2, linf, mean, zf, numel, nan, inf, zero) in zip(self.names, h["rows"]):
@@ -302,7 +340,11 @@ class GradStats:
         return out
 
     def nonfinite_names(self) -> list[str]:
-        """Names of the parameters whose gradient holds a NaN or an Inf."""
+        """Names of the parameters whose gradient holds a NaN or an Inf.
+
+        Returns:
+            list[str]: In row order; empty when every gradient is finite.
+        """
         return [name for name, row in zip(self.names, self._host()["rows"]) if row[5] or row[6]]
 
     def table(self, top: int | None = None, sort_by: str = "l2") -> str:
