@@ -9,7 +9,8 @@
   accumulated micro-batches per step), what the demo writes as runs/demo/gradflow_exponents.png
   and runs/demo/gradflow_noise_scale.png.
 - docs/benchmarks.png: median time relative to torch.nn.utils.clip_grad_norm_(foreach=True) on
-  CPU, float32, from the section "CPU, 2026-12-03, session 6" of benchmarks/RESULTS.md (its command is there;
+  CPU, float32, from the section "whole benchmark on main" of benchmarks/RESULTS.md, measured on
+  2026-12-03 (its command is there;
   re-running it rewrites that file, then this script redraws the chart from it).
 """
 from __future__ import annotations
@@ -54,11 +55,11 @@ def demo_pictures(gradflow_path: str, exponents_path: str, noise_scale_path: str
         plt.close(fig)
 
 
-def results_tables(md_path: str, section: str = "## CPU, 2026-12-03, session 6: whole benchmark on main") -> dict:
+def results_tables(md_path: str, section: str = ": whole benchmark on main") -> dict:
     """{(workload, dtype): {method: median_ms}} from the tables of one section of RESULTS.md
-    (up to its next heading)."""
+    (from the first heading holding ``section`` up to its next heading)."""
     text = open(md_path, encoding="utf-8").read()
-    start = text.index(section)
+    start = text.index(section)   # the one section whose heading holds these words
     end = min([i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
               or [len(text)])
     rows, key = {}, None
