@@ -27,6 +27,9 @@ from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, MLflowS
                                     TensorBoardSink, WandbSink)
 from gradfuse.ops import backend, build_info
 
+# The module paths users import, as attributes of the package, as they always were.
+from gradfuse import headroom, histogram, sinks  # noqa: E402,F401  (after the names they re-export)
+
 __version__ = "0.1.0"
 
 __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
