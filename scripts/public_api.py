@@ -20,7 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-SNAPSHOT = Path(__file__).resolve().parent.parent / "tests" / "public_api.json"
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOT = ROOT / "tests" / "public_api.json"
+if str(ROOT) not in sys.path:  # the checkout's gradfuse, also when run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
 MODULES = {"gradfuse": None, "gradfuse.sinks": None, "gradfuse.histogram": None,
            "gradfuse.headroom": None,
            "gradfuse.integrations.pytorch": ["Attachment", "attach", "StepGate"],
