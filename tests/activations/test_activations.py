@@ -596,17 +596,6 @@ def test_rows_carry_rank_scope_under_distributed(monkeypatch):
     assert cap.forward.scope == "rank" and cap.forward.to_dict()["scope"] == "rank"
 
 
-def test_readme_example_runs(tmp_path, monkeypatch):
-    """The README's activations example, as written."""
-    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    block = text.split("### Activations and their gradients", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    monkeypatch.chdir(tmp_path)
-    with pytest.warns(RuntimeWarning, match=r"step 70: optimizer step skipped: first non-finite value in the "
-                                            r"forward output of 0 \("):
-        exec(compile(block, "README.md", "exec"), {})
-    assert (tmp_path / "runs/act/run.jsonl").exists()
-
-
 def test_dead_counts_per_row():
     acts = [torch.tensor([0, 3, 0]), torch.ones(0, dtype=torch.int64), torch.tensor([True, False]),
             torch.tensor([5, 5])]
