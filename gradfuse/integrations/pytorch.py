@@ -21,17 +21,21 @@ class StepGate:
     runs backward), asks ``before_step(optimizer)`` whether to skip, and hands the optimizer the
     loss it got (the optimizer's further evaluations, e.g. LBFGS's line search, call the closure
     again). A skipped step returns the closure's loss, or None. ``on_skip(optimizer)`` runs after a
-    skip (e.g. a scaler's bookkeeping). :meth:`remove` restores ``step``.
+    skip (e.g. a scaler's bookkeeping). While ``bypass(optimizer)`` is true the gate passes the
+    call straight through, closure and all, without asking ``before_step`` (an accelerate
+    micro-step, where the wrapped ``step`` does nothing). :meth:`remove` restores ``step``.
     """
 
     def __init__(self, optimizer, before_step: Callable[[object], bool],
-                 on_skip: Callable[[object], None] | None = None):
+                 on_skip: Callable[[object], None] | None = None,
+                 bypass: Callable[[object], bool] | None = None):
         if getattr(optimizer, "_gradfuse_gate", None) is not None:
             raise RuntimeError(f"gradfuse: {type(optimizer).__name__} already has a gradfuse step gate; "
                                "detach the first attachment before attaching again")
         self.optimizer = optimizer
         self.before_step = before_step
         self.on_skip = on_skip
+        self.bypass = bypass
         self.active = True
         self._had_own_step = "step" in optimizer.__dict__  # e.g. an LR scheduler's wrapper
         self._previous = optimizer.__dict__.get("step")
@@ -46,7 +50,7 @@ class StepGate:
         optimizer._gradfuse_gate = self
 
     def _step(self, args: tuple, kwargs: dict):
-        if not self.active:
+        if not self.active or (self.bypass is not None and self.bypass(self.optimizer)):
             return self._inner(*args, **kwargs)
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
@@ -82,6 +86,18 @@ class StepGate:
             del opt._gradfuse_gate
 
 
+def accelerate_parts(optimizer):
+    """``(inner optimizer, gradient state, scaler)`` when ``optimizer`` is accelerate's
+    ``AcceleratedOptimizer`` (what ``accelerator.prepare`` returns), else None. Recognised by its
+    attributes, without importing accelerate."""
+    state = getattr(optimizer, "gradient_state", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if (type(optimizer).__name__ == "AcceleratedOptimizer" and isinstance(inner, torch.optim.Optimizer)
+            and hasattr(state, "sync_gradients")):
+        return inner, state, getattr(optimizer, "scaler", None)
+    return None
+
+
 def named_optimizer_params(optimizers, model: nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
     """The parameters the optimizers update, once each, named by ``model`` when given, else by the
     names the optimizer was built with (``AdamW(model.named_parameters())``), else
@@ -107,6 +123,17 @@ class Attachment:
 
     def __init__(self, optimizers: list, model: nn.Module | None, scaler, monitor_kwargs: dict):
         self.optimizers = optimizers
+        # accelerate: the AcceleratedOptimizer is gated (accelerate swaps the inner optimizer's step
+        # in and out around its scaler's steps); its step does nothing while accelerate accumulates
+        # (sync_gradients False), and neither does the gate then. The scaler keys its state by the
+        # inner optimizer, and it is accelerate's own scaler (fp16) unless one is given.
+        accelerated = [accelerate_parts(o) for o in optimizers]
+        self._gradient_states = [a[1] for a in accelerated if a is not None]
+        own = {id(a[2]): a[2] for a in accelerated if a is not None and a[2] is not None}
+        if scaler is None and len(own) == 1:
+            scaler = next(iter(own.values()))
+        self._accelerate_scaler = scaler is not None and id(scaler) in own
+        self._scaled = [a[0] if a is not None else o for a, o in zip(accelerated, optimizers)]
         self.scaler = scaler
         named = named_optimizer_params(optimizers, model)
         # One optimizer: the monitor unscales itself, fused with its statistics (one read, one
@@ -116,7 +143,7 @@ class Attachment:
             monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
         if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
             monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
-        self.monitor = GradMonitor(named, scaler=scaler, optimizer=optimizers[0] if fused else None,
+        self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
         # Noise scale: micro-batch boundaries from the backward passes themselves; under DDP
@@ -131,7 +158,9 @@ class Attachment:
         self._skip = False
         self._pending: set[int] = set()  # optimizers still to step under the current decision
         self._in_scaler_step: int | None = None
-        self._gates = [StepGate(opt, self._gate_decision) for opt in optimizers]
+        self._gates = [StepGate(opt, self._gate_decision, on_skip=self._after_skip,
+                                bypass=self._accumulating if self._gradient_states else None)
+                       for opt in optimizers]
         self._scaler_step = None
         if scaler is not None:
             self._previous_scaler_step = scaler.__dict__.get("step")
@@ -152,7 +181,7 @@ class Attachment:
         if key not in self._pending:
             if self.scaler is not None and self.monitor.optimizer is None:
                 from torch.amp.grad_scaler import OptState
-                for opt in self.optimizers:
+                for opt in self._scaled:
                     if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
                         self.scaler.unscale_(opt)
             self.last_report = self.monitor.step()
@@ -160,6 +189,20 @@ class Attachment:
             self._pending = {id(o) for o in self.optimizers}
         self._pending.discard(key)
         return self._skip
+
+    def _accumulating(self, optimizer) -> bool:
+        """accelerate's micro-step: ``accelerator.sync_gradients`` is False, the
+        AcceleratedOptimizer's step does nothing, and the monitor does not run (nor count it)."""
+        return not all(state.sync_gradients for state in self._gradient_states)
+
+    def _after_skip(self, optimizer) -> None:
+        # A step the policy skipped, gated before accelerate's step (which runs scaler.step and
+        # scaler.update): the scaler's bookkeeping for it, as a GradScaler-skipped step gets.
+        if self._accelerate_scaler and not self._pending:
+            from torch.amp.grad_scaler import OptState
+            if any(self.scaler._per_optimizer_states[id(o)]["stage"] is not OptState.READY
+                   for o in self._scaled):
+                self.scaler.update()
 
     def _gate_decision(self, optimizer) -> bool:
         if self._in_scaler_step == id(optimizer):  # decided in scaler.step, which called us
@@ -233,6 +276,11 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             monitor also sees steps the scaler skips (counted as ``amp_overflow``, not as
             anomalies), and with one optimizer it unscales the gradients itself, fused with its
             statistics (a prior ``scaler.unscale_(optimizer)`` is fine too).
+            With accelerate, attach the optimizer ``accelerator.prepare`` returned (its
+            ``AcceleratedOptimizer``) and leave ``scaler`` out: under ``mixed_precision="fp16"`` its
+            scaler is taken. The monitor runs only on the steps accelerate takes
+            (``accelerator.sync_gradients``), not on the micro-steps of gradient accumulation, and
+            replaces ``accelerator.clip_grad_norm_``.
         **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
             ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
             schedule or a :class:`gradfuse.ZClip`, and ``per``, ``clip_value``, ``agc`` choose
