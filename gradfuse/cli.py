@@ -20,7 +20,15 @@ def main(argv=None) -> int:
     p = sub.add_parser("plot", help="draw gradient flow from a GradMonitor JSONL log (and, for "
                                     "activations=True logs, <output>_activations.png)")
     p.add_argument("jsonl")
-    p.add_argument("-o", "--output", default="gradflow.png")
+    p.add_argument("-o", "--output", default=None,
+                   help="the picture (default gradflow.png), or with --animate the animation "
+                        "(default gradflow.gif; .mp4 needs ffmpeg on PATH)")
+    p.add_argument("--animate", action="store_true",
+                   help="an animation of the per-layer gradient norms, a frame per logged step "
+                        "(at most --max-frames), anomalous steps in red")
+    p.add_argument("--fps", type=int, default=5, help="frames per second of --animate (default 5)")
+    p.add_argument("--max-frames", type=int, default=200,
+                   help="--animate thins longer logs to about this many frames, keeping anomalies")
     i = sub.add_parser("info", help="what gradfuse._C was built for vs what is running, the backends "
                                     "in use, and what to do when they differ")
     i.add_argument("--json", action="store_true", help="only the build info and backends, as JSON")
@@ -29,7 +37,17 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from gradfuse.demo.demo import run
         run(steps=args.steps, out_dir=args.out, tiny=args.tiny)
+    elif args.command == "plot" and args.animate:
+        from gradfuse.viz.animation import animate_gradflow
+        try:
+            print(animate_gradflow(args.jsonl, args.output or "gradflow.gif", fps=args.fps,
+                                   max_frames=args.max_frames))
+        except (RuntimeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     elif args.command == "plot":
+        if args.output is None:
+            args.output = "gradflow.png"
         from gradfuse.monitor.sinks import read_jsonl
         from gradfuse.viz import activations as pa  # GradMonitor(activations=True) logs
         from gradfuse.viz.gradflow import plot_gradflow
