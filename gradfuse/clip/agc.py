@@ -103,7 +103,7 @@ def _weight_unit_norms(weights, units, p: float, device) -> torch.Tensor:
     offsets = [0]
     for u in units:
         offsets.append(offsets[-1] + u)
-    out = torch.empty(offsets[-1], dtype=torch.float64, device=device)
+    out = torch.empty(offsets[-1], dtype=ops.stats_dtype(device), device=device)
     for (_dev, _dt), idx in groups.items():
         n = _unit_norms([weights[i] for i in idx], [units[i] for i in idx], p)
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(device)

@@ -49,7 +49,7 @@ def group_norms(s: GradStats, per: str, layer_depth: int | None = None) -> torch
         return s.norm(p) if p >= 0 or p == -math.inf else root(row_accumulators(s.floats, s.counts, p), p)
     acc = row_accumulators(s.floats, s.counts, p)
     if p == 0.0:  # as torch composes a group's 0-norm: its tensors with a non-zero element
-        acc = (acc > 0).to(torch.float64)
+        acc = (acc > 0).to(acc.dtype)
     index, n = _layer_index(s.names, layer_depth, acc.device)
     if math.isinf(p):
         layer = acc.new_zeros(n).scatter_reduce(0, index, acc, "amax" if p > 0 else "amin",

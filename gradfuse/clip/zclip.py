@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from gradfuse import ops
 from gradfuse.core.engine import scale_
 from gradfuse.core.norms import clip_coefficient
 from gradfuse.core.params import check_max_norm, with_grads
@@ -95,19 +96,21 @@ class ZClip:
                 f"skip_update_on_spike={self.skip_update_on_spike})")
 
     def _state_on(self, device) -> None:
-        if self._buffer is None or self._buffer.device != device:
+        # float64 state, or float32 on a device without float64
+        f64 = dict(dtype=ops.stats_dtype(device), device=device)
+        if self._buffer is None or self._buffer.device != device or self._buffer.dtype != f64["dtype"]:
             n = max(self.warmup_steps, 1)
-            f64 = dict(dtype=torch.float64, device=device)
-            self._buffer = (torch.zeros(n, **f64) if self._buffer is None else self._buffer.to(device))
-            self._mean = torch.zeros((), **f64) if self._mean is None else self._mean.to(device)
-            self._var = torch.zeros((), **f64) if self._var is None else self._var.to(device)
+            self._buffer = (torch.zeros(n, **f64) if self._buffer is None else self._buffer.to(**f64))
+            self._mean = torch.zeros((), **f64) if self._mean is None else self._mean.to(**f64)
+            self._var = torch.zeros((), **f64) if self._var is None else self._var.to(**f64)
 
     def clip_coef(self, total_norm: torch.Tensor) -> torch.Tensor:
         """Takes one step of the state for this total norm; returns the coefficient (float64,
         0-d, at most 1) the gradients are to be multiplied by. No host sync."""
-        g = total_norm.detach().reshape(()).to(torch.float64)
+        g = total_norm.detach().reshape(())
+        g = g.to(ops.stats_dtype(g.device))
         self._state_on(g.device)
-        inf = torch.full((), math.inf, dtype=torch.float64, device=g.device)
+        inf = torch.full((), math.inf, dtype=g.dtype, device=g.device)
         if not self.initialized:
             self._buffer[self.steps].copy_(g)
             self.steps += 1

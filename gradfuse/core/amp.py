@@ -62,8 +62,9 @@ def unscaled_stats(names, grads, scaler, norm_type: float) -> tuple[GradStats, t
                            "scaler.scale(loss).backward() before unscaling")
     s = fused_stats(names, grads, norm_type)
     dev = s.floats.device
-    inv = scaler._scale.double().reciprocal().to(dev)  # float64 here; torch unscales in float32
-    one = torch.ones((), dtype=torch.float64, device=dev)
+    # in the rows' dtype (float64 where the device has it); torch unscales in float32
+    inv = scaler._scale.to(dev, s.floats.dtype).reciprocal()
+    one = torch.ones((), dtype=s.floats.dtype, device=dev)
     p = norm_type
     pow_factor = inv.pow(p) if p not in (0.0, 2.0) and not math.isinf(p) else one
     floats = s.floats * torch.stack([inv, inv * inv, inv, pow_factor])  # SUM, SUMSQ, MAXABS, POWSUM

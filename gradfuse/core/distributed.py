@@ -78,7 +78,7 @@ def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, star
     mesh, dims = layout
     f, c = floats[start:stop], counts[start:stop]
     min_column = norm_type == -math.inf
-    sums = torch.cat([f[:, SUM:SUMSQ + 1], f[:, POWSUM:POWSUM + 1], c.to(torch.float64)], dim=1)
+    sums = torch.cat([f[:, SUM:SUMSQ + 1], f[:, POWSUM:POWSUM + 1], c.to(f.dtype)], dim=1)
     maxes = torch.stack([f[:, MAXABS], -f[:, POWSUM]], dim=1) if min_column else f[:, MAXABS].contiguous()
     for d in dims:  # reducing over each sharded dimension in turn reduces over their product
         group = mesh.get_group(mesh_dim=d)
@@ -128,8 +128,7 @@ def reduce_over_group(acc: torch.Tensor, nonfinite_count: torch.Tensor, norm_typ
     # -inf: the accumulator is a minimum; reduce it negated with MAX.
     sign = -1.0 if norm_type == -math.inf else 1.0
     # A backend's MAX may drop NaN: carry "this rank's accumulator is NaN" beside it.
-    packed = torch.stack([acc.to(torch.float64) * sign, torch.isnan(acc).to(torch.float64),
-                          nonfinite_count.to(torch.float64)])
+    packed = torch.stack([acc * sign, torch.isnan(acc).to(acc.dtype), nonfinite_count.to(acc.dtype)])
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     dist.all_reduce(packed, op=op, group=group, async_op=True).wait()
     acc = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0] * sign)

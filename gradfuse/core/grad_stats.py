@@ -230,7 +230,7 @@ class GradStats:
         if p == math.inf:
             return self.linf
         if p == 0.0:
-            return (self.numel - self.zero_count).to(torch.float64)
+            return (self.numel - self.zero_count).to(self.floats.dtype)
         if p != self.norm_type:
             raise ValueError(f"per-parameter norms of order {p} need gradfuse.stats(..., "
                              f"norm_type={p}); these stats were taken with norm_type={self.norm_type}")
@@ -242,28 +242,43 @@ class GradStats:
     def _host(self) -> dict:
         if self._host_cache is None:
             n = len(self.names)
-            dev = self.floats.device
-            scalars = [self.plain_total_norm.to(dev, torch.float64).reshape(1),
-                       self.nonfinite.to(dev, torch.float64).reshape(1)]
+            dev, fdt = self.floats.device, self.floats.dtype
+            # float64 holds every count exactly: one transfer. In float32 (a device without
+            # float64) the counts go in a second, int64 transfer.
+            exact = fdt == torch.float64
+            scalars = [self.plain_total_norm.to(dev, fdt).reshape(1),
+                       self.nonfinite.to(dev, fdt).reshape(1)]
             per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
             if self.clip_coef is not None:  # per row: the smallest coefficient as the summary
                 coef = ((self.clip_coef.amin() if n else self.clip_coef.new_ones(())) if per_row
                         else self.clip_coef)
-                scalars.append(coef.to(dev, torch.float64).reshape(1))
+                scalars.append(coef.to(dev, fdt).reshape(1))
             extra = [self.clip_coef] if per_row else []
-            extra += [self.clamped] if self.clamped is not None else []
-            scalars += [x.to(dev, torch.float64).reshape(-1) for x in extra]
-            cols = [self.l2, self.linf, self.mean, self.zero_fraction,
-                    self.numel.double(), self.nan_count.double(), self.inf_count.double(),
-                    self.zero_count.double()]
+            extra += [self.clamped] if self.clamped is not None and exact else []
+            scalars += [x.to(dev, fdt).reshape(-1) for x in extra]
+            cols = [self.l2, self.linf, self.mean, self.zero_fraction]
+            count_cols = [self.numel, self.nan_count, self.inf_count, self.zero_count]
+            if exact:
+                cols += [c.to(fdt) for c in count_cols]
             packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
-            rows = [packed[i * 8:(i + 1) * 8] for i in range(n)]
-            tail = packed[n * 8:]
+            width = len(cols)
+            rows = [packed[i * width:(i + 1) * width] for i in range(n)]
+            clamped = None
+            if not exact:
+                ints = torch.stack(count_cols, 1)
+                if self.clamped is not None:
+                    ints = torch.cat([ints, self.clamped.to(ints.device).reshape(-1, 1)], 1)
+                ints = ints.cpu().tolist()
+                rows = [r + i[:4] for r, i in zip(rows, ints)]
+                clamped = [i[4] for i in ints] if self.clamped is not None else None
+            tail = packed[n * width:]
             ncoef = 1 if self.clip_coef is not None else 0
             extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(len(extra))]
+            if self.clamped is not None and exact:
+                clamped = extra_rows[-1]
             self._host_cache = {
                 "row_coef": extra_rows[0] if per_row else None,
-                "row_clamped": extra_rows[-1] if self.clamped is not None else None,
+                "row_clamped": clamped,
                 "rows": rows,
                 "total_norm": tail[0],
                 "nonfinite": bool(tail[1]),

@@ -36,7 +36,7 @@ def row_accumulators(floats: torch.Tensor, counts: torch.Tensor, p: float) -> to
     if p == -math.inf:
         return floats[:, POWSUM]
     if p == 0.0:
-        return (counts[:, NUMEL] - counts[:, ZERO]).to(torch.float64)
+        return (counts[:, NUMEL] - counts[:, ZERO]).to(floats.dtype)
     return floats[:, POWSUM]
 
 
@@ -53,7 +53,7 @@ def norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float,
             return rows.new_zeros(())
         return rows.amax() if p > 0 else rows.amin()
     if p == 0.0:  # NaN counts as non-zero
-        return (rows if elementwise_zero_norm else (rows > 0).to(torch.float64)).sum()
+        return (rows if elementwise_zero_norm else (rows > 0).to(rows.dtype)).sum()
     return rows.sum()
 
 

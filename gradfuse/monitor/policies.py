@@ -33,7 +33,7 @@ def anomaly_flags(s: GradStats, explode_threshold: float | None) -> torch.Tensor
     sync of a quiet step that has a policy."""
     flag = s.nonfinite.to(torch.int32)
     if explode_threshold is not None:
-        flag = flag + EXPLODE * (s.plain_total_norm.double() > explode_threshold).to(torch.int32)
+        flag = flag + EXPLODE * (s.plain_total_norm.to(s.floats.dtype) > explode_threshold).to(torch.int32)
     return flag
 
 

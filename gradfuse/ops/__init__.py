@@ -16,7 +16,8 @@ from gradfuse.ops import fake, reference  # noqa: F401  (fake: registers the fak
 from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF,  # noqa: F401
                                  BIN_ZERO, EXPONENT_OFFSET, INF, MAX_EXPONENT, MAXABS,
                                  MIN_EXPONENT, NAN, NUM_BINS, NUMEL, POWSUM, SUM, SUMSQ, ZERO)
-from gradfuse.ops.library import backend, build_info, has_kernel, op_compiled, use_compiled  # noqa: F401
+from gradfuse.ops.library import (backend, build_info, has_kernel, op_compiled, stats_dtype,  # noqa: F401
+                                  use_compiled)
 
 
 def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float = 2.0):

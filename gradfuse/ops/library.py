@@ -148,6 +148,17 @@ OP_KERNELS = {(name, device_type): _registered(name, key)
 KERNELS = {device_type: OP_KERNELS[("multi_tensor_stats", device_type)] for device_type in ("cpu", "cuda")}
 
 
+# Device types without float64 (Apple's MPS): the statistics there are computed and returned in
+# float32 (see stats_dtype).
+NO_FLOAT64 = {"mps"}
+
+
+def stats_dtype(device: torch.device | str) -> torch.dtype:
+    """The floating dtype of the statistics rows on ``device``: float64, or float32 where the
+    device has no float64 (``NO_FLOAT64``; only the pure-PyTorch reference runs there)."""
+    return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
+
+
 def has_kernel(device_type: str) -> bool:
     """Whether gradfuse._C has compiled kernels for ``device_type`` ("cpu", "cuda")."""
     return KERNELS.get(device_type, False)

@@ -2,6 +2,11 @@
 gradfuse._C has no kernel. Same inputs, outputs and semantics as the compiled ops (see
 csrc/gradfuse.cpp), computed per tensor in float64; no host synchronisation.
 
+On a device without float64 (``library.NO_FLOAT64``: Apple's MPS) the rows are computed and
+returned in float32: sums of squares and power sums then carry float32's relative rounding of
+about 1e-7 per addition, so norms over n elements are within about n * 1e-7 relative (much less
+in practice: torch's float32 reductions are pairwise); counts are exact.
+
 Layer: ops (the bottom). Imports only :mod:`gradfuse.ops.layout`.
 
 ``tensor_rows`` is the slow path for what the kernels do not take: sparse (COO) and complex
@@ -13,9 +18,11 @@ import math
 
 import torch
 
+from gradfuse.ops.library import stats_dtype
 from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF, BIN_ZERO,
                                  EXPONENT_OFFSET, MIN_EXPONENT, NUM_BINS)
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -38,10 +45,16 @@ def _check_kernel_inputs(tensors: list[torch.Tensor]) -> None:
 
 def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float):
     if len(tensors) == 0:
-        return torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64)
+        return _empty_rows()
     check_one_group(tensors)
     _check_kernel_inputs(tensors)
     return tensor_rows(tensors, norm_type)
+
+
+def _empty_rows(device=None):
+    device = torch.device("cpu") if device is None else device
+    return (torch.empty((0, 4), dtype=stats_dtype(device), device=device),
+            torch.empty((0, 4), dtype=torch.int64, device=device))
 
 
 def tensor_rows(tensors: list[torch.Tensor], norm_type: float):
@@ -56,8 +69,9 @@ def tensor_rows(tensors: list[torch.Tensor], norm_type: float):
     - complex: norms of |z|, NaN/Inf counts of z; SUM (hence ``mean``) is NaN.
     """
     if len(tensors) == 0:
-        return torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64)
+        return _empty_rows()
     device = tensors[0].device
+    acc = stats_dtype(device)
     p = float(norm_type)
     rows_f, rows_c = [], []
     for t in tensors:
@@ -66,12 +80,12 @@ def tensor_rows(tensors: list[torch.Tensor], norm_type: float):
         if t.layout == torch.sparse_coo:
             t = t.coalesce().values()
         if t.is_complex():
-            x = t.reshape(-1).to(torch.complex128)
+            x = t.reshape(-1).to(torch.complex128 if acc == torch.float64 else torch.complex64)
             a = x.abs()
-            total = torch.full((), math.nan, dtype=torch.float64, device=device)
+            total = torch.full((), math.nan, dtype=acc, device=device)
             sumsq = torch.view_as_real(x).square().sum()
         else:
-            x = t.reshape(-1).to(torch.float64)
+            x = t.reshape(-1).to(acc)
             a = x.abs()
             total = x.sum()
             sumsq = (x * x).sum()
@@ -151,7 +165,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
     op = "gradfuse.multi_tensor_unit_stats"
     units = check_units(tensors, units, op)
     if len(tensors) == 0:
-        return torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64)
+        return _empty_rows()
     check_one_group(tensors)
     _check_kernel_inputs(tensors)
     device = tensors[0].device
@@ -160,7 +174,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
     for t, u in zip(tensors, units):
         if u == 0:
             continue
-        x = t.detach().reshape(u, -1).to(torch.float64)
+        x = t.detach().reshape(u, -1).to(stats_dtype(device))
         length = x.shape[1]
         a = x.abs()
         if length == 0:
@@ -177,8 +191,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
         numel = torch.full((u,), length, dtype=torch.int64, device=device)
         rows_c.append(torch.stack([x.isnan().sum(1), x.isinf().sum(1), (x == 0).sum(1), numel], 1))
     if not rows_f:
-        return (torch.empty((0, 4), dtype=torch.float64, device=device),
-                torch.empty((0, 4), dtype=torch.int64, device=device))
+        return _empty_rows(device)
     return torch.cat(rows_f), torch.cat(rows_c).to(torch.int64)
 
 
@@ -226,7 +239,9 @@ def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
         return floats, counts, torch.empty(0, dtype=torch.int64)
     # clip_value rounded to the dtype, as torch rounds the scalar; one that overflows it (which
     # torch refuses for float16) clamps nothing.
-    limit = torch.tensor(v, dtype=torch.float64).to(tensors[0].dtype)
+    limit = torch.tensor(v, dtype=torch.float32 if v <= _FLOAT32_MAX else torch.float64)
+    limit = limit.to(tensors[0].dtype) if v <= _FLOAT32_MAX or tensors[0].dtype == torch.float64 \
+        else torch.tensor(math.inf, dtype=tensors[0].dtype)
     clamped = torch.stack([(t.detach().abs() > limit.to(t.device)).sum() for t in tensors])
     if not math.isinf(limit.item()):
         ts = [t.detach() for t in tensors]
@@ -243,7 +258,11 @@ def exponent_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((0, NUM_BINS), dtype=torch.int64)
     rows = []
     for t in tensors:
-        x = t.detach().reshape(-1).to(torch.float64)
+        # exact in float64 for every dtype; in float32 for float32 and narrower data (the only
+        # data on a device without float64)
+        x = t.detach().reshape(-1)
+        x = x.to(torch.float64 if x.dtype == torch.float64 or stats_dtype(x.device) == torch.float64
+                 else torch.float32)
         _mantissa, ex = torch.frexp(x)  # x = m * 2^ex, 0.5 <= |m| < 1: floor(log2|x|) = ex - 1
         e = ex.to(torch.int64) - 1
         b = (e + EXPONENT_OFFSET).clamp(BIN_BELOW, BIN_ABOVE)
