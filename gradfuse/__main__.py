@@ -1,4 +1,4 @@
-"""``python -m gradfuse``: the command line of :mod:`gradfuse.cli`."""
+"""``python -m gradfuse``: the command line of ``gradfuse.cli``."""
 import sys
 
 from gradfuse.cli import main

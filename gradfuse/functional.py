@@ -1,8 +1,8 @@
 """The statistics entry points, ``gradfuse.stats`` (of gradients) and ``gradfuse.tensor_stats``
-(of any tensors), with the exponent histograms and headroom of :mod:`gradfuse.numerics` on
+(of any tensors), with the exponent histograms and headroom of ``gradfuse.numerics`` on
 request.
 
-Layer: beside the capabilities. Imports :mod:`gradfuse.core` and :mod:`gradfuse.numerics`.
+Layer: beside the capabilities. Imports ``gradfuse.core`` and ``gradfuse.numerics``.
 """
 from __future__ import annotations
 

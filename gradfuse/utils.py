@@ -1,7 +1,7 @@
 """Helpers every layer may use: warnings that point at the user's line, and optional packages
 imported on first use with an install hint.
 
-Layer: the bottom, beside :mod:`gradfuse.ops`. Imports nothing of gradfuse.
+Layer: the bottom, beside ``gradfuse.ops``. Imports nothing of gradfuse.
 """
 from __future__ import annotations
 

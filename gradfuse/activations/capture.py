@@ -39,10 +39,10 @@ Cost and memory
     last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
     reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
     version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
-    the dead-unit pass is skipped when the zero count decides it (:func:`_known_dead`), when a
+    the dead-unit pass is skipped when the zero count decides it (``_known_dead``), when a
     small corner of the batch (the first image's first 64 pixels, the first 16 positions) holds a
-    non-zero in every unit (:func:`_probe_alive`), or when one slice across all units holds no
-    zero (:func:`_one_slice_alive`; tried first when under 5% of the elements are zero), all
+    non-zero in every unit (``_probe_alive``), or when one slice across all units holds no
+    zero (``_one_slice_alive``; tried first when under 5% of the elements are zero), all
     exact, and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
@@ -52,7 +52,7 @@ Errors
     cannot take (a tensor subclass, an odd device) is warned about once, naming it, and left out.
     Hooks are removed when the ``with`` block exits, also when it raises.
 
-Layer: activations (a capability). Imports :mod:`gradfuse.ops` and :mod:`gradfuse.core`.
+Layer: activations (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _dead_counts(activity: list) -> torch.Tensor:
     """Dead units per row, from the rows' activity vectors: three device ops for all rows. A row
     may instead hold its dead-unit count as an int (known without the per-unit pass, see
-    :func:`_known_dead`)."""
+    ``_known_dead``)."""
     if any(isinstance(a, int) for a in activity):
         known = [a if isinstance(a, int) else None for a in activity]
         vectors = [a for a in activity if not isinstance(a, int)]
@@ -268,7 +268,7 @@ class ActivationStats(GradStats):
         return packed.cpu().tolist()
 
     def to_dict(self) -> dict:
-        """As :meth:`GradStats.to_dict`, each row also with ``module``, ``std``, ``rms``,
+        """As ``GradStats.to_dict``, each row also with ``module``, ``std``, ``rms``,
         ``dead_units``, ``units`` and ``dead_fraction``."""
         d = super().to_dict()
         for (name, row), module, (std, dead, units, _s, _q) in zip(
@@ -278,7 +278,7 @@ class ActivationStats(GradStats):
         return d
 
     def layers(self, depth: int | None = None) -> dict[str, dict]:
-        """Per layer (module path up to its first block index, as :meth:`GradStats.layers` groups
+        """Per layer (module path up to its first block index, as ``GradStats.layers`` groups
         parameters; ``depth``: that many leading name parts), over every row of its modules:
         ``numel``, ``l2``, ``rms``, ``linf``, ``mean``, ``std``, NaN / Inf / zero counts,
         ``zero_fraction``, ``dead_units``, ``units``, ``dead_fraction`` and ``rows``."""

@@ -1,16 +1,16 @@
 """Clipping, every mode, each computed from the core's one fused statistics pass with its
 coefficients decided on the device:
 
-- :mod:`~gradfuse.clip.norm`: by total norm (the drop-ins for ``torch.nn.utils``, and
+- ``gradfuse.clip.norm``: by total norm (the drop-ins for ``torch.nn.utils``, and
   ``gradfuse.clip_``);
-- :mod:`~gradfuse.clip.per`: each parameter or layer by its own norm;
-- :mod:`~gradfuse.clip.value`: by value;
-- :mod:`~gradfuse.clip.agc`: adaptive gradient clipping (timm's semantics);
-- :mod:`~gradfuse.clip.zclip`: ZClip's adaptive thresholds;
-- :mod:`~gradfuse.clip.schedule`: ``max_norm`` as a number, a schedule or a ZClip.
+- ``gradfuse.clip.per``: each parameter or layer by its own norm;
+- ``gradfuse.clip.value``: by value;
+- ``gradfuse.clip.agc``: adaptive gradient clipping (timm's semantics);
+- ``gradfuse.clip.zclip``: ZClip's adaptive thresholds;
+- ``gradfuse.clip.schedule``: ``max_norm`` as a number, a schedule or a ZClip.
 
-Layer: clip, a capability beside numerics, activations and dynamics. Imports :mod:`gradfuse.ops`
-and :mod:`gradfuse.core`, never the monitor or the integrations.
+Layer: clip, a capability beside numerics, activations and dynamics. Imports ``gradfuse.ops``
+and ``gradfuse.core``, never the monitor or the integrations.
 """
 from gradfuse.clip.agc import adaptive_clip_grad_
 from gradfuse.clip.norm import clip_, clip_grad_norm_, clip_grads_with_norm_, get_total_norm

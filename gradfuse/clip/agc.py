@@ -1,7 +1,7 @@
 """Adaptive gradient clipping (AGC, Brock et al. 2021) with timm's semantics: unit-wise norms of
 weights and gradients from fused passes, one unit-wise scale pass, coefficients on the device.
 
-Layer: clip (a capability). Imports :mod:`gradfuse.ops` and :mod:`gradfuse.core`.
+Layer: clip (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
 

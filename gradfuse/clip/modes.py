@@ -1,7 +1,7 @@
 """``gradfuse.clip_`` with ``per=`` (each parameter or layer by its own norm) or ``value=``
 (clamping, with the statistics from before).
 
-Layer: clip (a capability). Imports :mod:`gradfuse.core` and the clip modules per and value.
+Layer: clip (a capability). Imports ``gradfuse.core`` and the clip modules per and value.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gradfuse.core.params import check_max_norm, check_norm_type, named_grads
 
 def clip_modes_(source, max_norm, norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
                 group=None, per=None, value=None, layer_depth: int | None = None) -> GradStats:
-    """:func:`gradfuse.clip_` with ``per=`` or ``value=`` (see there)."""
+    """``gradfuse.clip_`` with ``per=`` or ``value=`` (see there)."""
     per = check_per(per)
     if value is not None:
         if max_norm is not None or per is not None:

@@ -2,7 +2,7 @@
 ``get_total_norm`` and ``clip_grads_with_norm_``, and ``gradfuse.clip_``, which returns the
 statistics too and leads to every other mode (per parameter or layer, by value).
 
-Layer: clip (a capability). Imports :mod:`gradfuse.core` and :mod:`gradfuse.clip.modes`.
+Layer: clip (a capability). Imports ``gradfuse.core`` and ``gradfuse.clip.modes``.
 """
 from __future__ import annotations
 

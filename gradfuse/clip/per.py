@@ -1,6 +1,6 @@
 """Clipping each parameter, or each layer, by its own norm, from the one fused statistics pass.
 
-Layer: clip (a capability). Imports :mod:`gradfuse.ops` and :mod:`gradfuse.core`.
+Layer: clip (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _layer_index(names: list[str], depth: int | None, device) -> tuple[torch.Ten
 def group_norms(s: GradStats, per: str, layer_depth: int | None = None) -> torch.Tensor:
     """The norm (of ``s.norm_type``) each row is clipped by: its own (``per="param"``) or its
     layer's (``per="layer"``: the norm of the layer's gradients viewed as one vector, layers as
-    :meth:`GradStats.layers` groups them), one float64 entry per row, on the device."""
+    ``GradStats.layers`` groups them), one float64 entry per row, on the device."""
     p = s.norm_type
     if per == "param":
         if p == 0.0:

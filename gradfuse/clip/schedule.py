@@ -1,7 +1,7 @@
 """What ``max_norm`` may be for the monitor and the integrations: None, a number, a
-:class:`~gradfuse.clip.zclip.ZClip`, or a schedule (a callable of the step number).
+``gradfuse.clip.zclip.ZClip``, or a schedule (a callable of the step number).
 
-Layer: clip (a capability). Imports :mod:`gradfuse.core` and :mod:`gradfuse.clip.zclip`.
+Layer: clip (a capability). Imports ``gradfuse.core`` and ``gradfuse.clip.zclip``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Clipping by value: the drop-in for ``torch.nn.utils.clip_grad_value_``, and the clamp that
 also returns the statistics from before clamping and the clamped counts.
 
-Layer: clip (a capability). Imports :mod:`gradfuse.ops` and :mod:`gradfuse.core`.
+Layer: clip (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """ZClip (Kumar et al. 2025): z-score adaptive clipping thresholds, its state kept on the device.
 
-Layer: clip (a capability). Imports :mod:`gradfuse.core`.
+Layer: clip (a capability). Imports ``gradfuse.core``.
 """
 from __future__ import annotations
 

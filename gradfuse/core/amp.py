@@ -8,7 +8,7 @@ then records in the scaler what ``scaler.unscale_`` would have (found_inf per de
 UNSCALED), so ``scaler.step(optimizer)`` and ``scaler.update()`` work as usual: a step whose
 gradients hold Inf/NaN is skipped by the scaler and lowers its scale.
 
-Layer: core. Imports :mod:`gradfuse.ops` and the core modules below it.
+Layer: core. Imports ``gradfuse.ops`` and the core modules below it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The fused-statistics engine: one fused pass per (sharding layout, device, dtype) group giving
-a :class:`GradStats`, the in-place scale to a clip coefficient, and the error for a non-finite
-total. The arithmetic of norms and coefficients is :mod:`gradfuse.core.norms`.
+a ``GradStats``, the in-place scale to a clip coefficient, and the error for a non-finite
+total. The arithmetic of norms and coefficients is ``gradfuse.core.norms``.
 
-Layer: core. Imports :mod:`gradfuse.ops` and the core modules below it (params, grouping,
+Layer: core. Imports ``gradfuse.ops`` and the core modules below it (params, grouping,
 norms, distributed, sharded, slow_paths, grad_stats).
 """
 from __future__ import annotations

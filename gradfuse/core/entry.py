@@ -1,6 +1,6 @@
 """The calls behind the public entry points: statistics, and clipping by total norm, of a source
-of parameters. A list seen before is served in C++ by :mod:`gradfuse.core.walk_cache`; anything
-else, and any list the walk refuses, takes the functional path of :mod:`gradfuse.core.engine`,
+of parameters. A list seen before is served in C++ by ``gradfuse.core.walk_cache``; anything
+else, and any list the walk refuses, takes the functional path of ``gradfuse.core.engine``,
 which then plans the list for the walk.
 
 Layer: core, at its top. Imports the core modules below it.
@@ -17,7 +17,7 @@ from gradfuse.core.params import (ParametersTypeError, Source, check_max_norm, c
 
 def source_stats(source: Source, p: float) -> GradStats:
     """Statistics of the gradients of ``source`` (``p`` checked), without ``group=`` or
-    histograms (those take :func:`gradfuse.core.engine.fused_stats` directly)."""
+    histograms (those take ``gradfuse.core.engine.fused_stats`` directly)."""
     s = walk_cache.stats(source, p)
     if s is not None:
         return s

@@ -1,6 +1,6 @@
 """GradStats: the per-parameter gradient statistics of one step, kept on the device.
 
-Layer: core. Imports :mod:`gradfuse.ops.layout` and the core's distributed.
+Layer: core. Imports ``gradfuse.ops.layout`` and the core's distributed.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class GradStats:
 
     @property
     def floats(self) -> torch.Tensor:
-        """The fused op's float64 ``[n, 4]`` rows (columns as :mod:`gradfuse.ops.layout`)."""
+        """The fused op's float64 ``[n, 4]`` rows (columns as ``gradfuse.ops.layout``)."""
         if self._pending_rows is not None:
             self._rows_f, self._rows_c = self._pending_rows.get()
             self._pending_rows = None
@@ -215,7 +215,7 @@ class GradStats:
         return ~(self.clip_coef >= 1)  # a NaN coefficient scaled the gradients too
 
     def headroom_dict(self) -> dict[str, dict[str, float]]:
-        """:attr:`headroom` as {name: {column: value}}, read in one transfer."""
+        """``headroom`` as {name: {column: value}}, read in one transfer."""
         if self.headroom is None:
             raise ValueError("no exponent histogram: take the stats with histogram=True")
         return columns_to_host(self.names, self.headroom)
@@ -397,7 +397,7 @@ class GradStats:
         return "\n".join(lines)
 
     def _repr_html_(self, max_rows: int = 100) -> str:
-        """Jupyter's view: the rows of :meth:`to_dict` as an HTML table (largest ``l2`` first,
+        """Jupyter's view: the rows of ``to_dict`` as an HTML table (largest ``l2`` first,
         at most ``max_rows``), the totals below; one transfer."""
         d = self.to_dict()
         items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1]["l2"]), reverse=True)

@@ -3,7 +3,7 @@ fused op (its power sums, max |x|, counts), the total norm of several tensors, a
 torch.nn.utils' clip coefficient. The C++ side has the same arithmetic once, in
 csrc/common/norm_math.h.
 
-Layer: core, at its bottom. Imports :mod:`gradfuse.ops.layout` only.
+Layer: core, at its bottom. Imports ``gradfuse.ops.layout`` only.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def norm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def row_accumulators(floats: torch.Tensor, counts: torch.Tensor, p: float) -> torch.Tensor:
     """Per row, what its norm of order ``p`` is a root of (the max for inf, the min for -inf, the
-    count of non-zero elements for 0), float64: the rows' :func:`root` is their norm."""
+    count of non-zero elements for 0), float64: the rows' ``root`` is their norm."""
     if p == 2.0:
         return floats[:, SUMSQ]
     if p == math.inf:
@@ -58,8 +58,8 @@ def norm_accumulator(floats: torch.Tensor, counts: torch.Tensor, p: float,
 
 
 def root(acc: torch.Tensor, p: float) -> torch.Tensor:
-    """The norm of order ``p`` whose accumulator (:func:`row_accumulators`,
-    :func:`norm_accumulator`) is ``acc``."""
+    """The norm of order ``p`` whose accumulator (``row_accumulators``,
+    ``norm_accumulator``) is ``acc``."""
     if p == 2.0:
         return acc.sqrt()
     if math.isinf(p) or p in (0.0, 1.0):

@@ -7,7 +7,7 @@ pass over this rank's shards becomes the statistics of the full gradients.
   (``c10d_functional.all_reduce``, of one scalar; two for inf, the NaN flag beside the max) per
   sharded mesh dimension. A NaN/Inf gradient element makes the total NaN/Inf, so the non-finite
   flag travels in it. The per-parameter rows stay those of the local shards until someone reads
-  them (:class:`PendingRows`).
+  them (``PendingRows``).
 - Per-parameter rows (``stats``, ``clip_``, the monitor's logging and anomaly steps): each
   layout's rows are reduced over its sharded mesh dimensions (gradfuse.core.distributed).
 

@@ -3,7 +3,7 @@
 ``gradfuse.stats(named)``, ``gradfuse.clip_(named, ...)`` and ``gradfuse.clip_grad_norm_(params,
 ...)`` on a list (or tuple) of parameters or ``(name, parameter)`` pairs: the first call takes
 the functional path (gradfuse.core.engine) and leaves a plan here, made from its result as
-:class:`gradfuse.GradWatch` makes one; later calls on a list of the same shape are served in C++
+``gradfuse.GradWatch`` makes one; later calls on a list of the same shape are served in C++
 (``csrc/watch.cpp``, ``ListWalk``), which reads each item of the caller's list, checks it against
 the plan (its kind, its name, its type: exactly ``torch.Tensor`` or ``nn.Parameter``) and each
 gradient as the watch does (present or absent as planned, same device and dtype, plain and dense),
@@ -19,7 +19,7 @@ other. Plans are looked up by the list's length and its first and last names (a 
 one model share no key), at most ``_MAX_PLANS`` of them, oldest dropped first.
 
 Not served here (the functional path, unchanged): modules (their ``named_parameters`` walk can
-change without notice: ``del model.layer``; use :func:`gradfuse.watch`), generators, ``group=``,
+change without notice: ``del model.layer``; use ``gradfuse.watch``), generators, ``group=``,
 ``histogram=True``, negative orders and -inf, DTensor, sparse, complex or subclass gradients,
 devices without compiled kernels, torch.compile tracing, and calls made under a
 TorchFunctionMode or TorchDispatchMode (which see the functional path's ops one by one).
@@ -97,7 +97,7 @@ def clip(source, p: float, max_norm: float) -> GradStats | None:
 
 
 def clip_to(source, s: GradStats, max_norm: float) -> GradStats | None:
-    """Scales the gradients ``s`` (from :func:`stats` on ``source``) was taken of, as
+    """Scales the gradients ``s`` (from ``stats`` on ``source``) was taken of, as
     gradfuse.core.engine.scale_to_max_norm; None with nothing touched."""
     plan = _ready(source, s.norm_type)
     out = plan.walk.clip_to(source, s.plain_total_norm, max_norm) if plan is not None else None

@@ -3,7 +3,7 @@ statistics and clips at a host cost that does not grow with Python work per para
 
 The functional calls (``gradfuse.stats(model)``, ``gradfuse.clip_(model)``) walk the module
 tree, read every ``.grad`` in Python and hand a list of 10 000 tensors to the dispatcher, every
-step. A :class:`GradWatch` does the walk once; each step, C++ (``csrc/watch.cpp``) reads the
+step. A ``GradWatch`` does the walk once; each step, C++ (``csrc/watch.cpp``) reads the
 gradients from the cached parameters, checks them against a plan made on an earlier step (which
 parameters have a gradient, each group's device and dtype, the order of the result's rows), and
 runs the fused ops, the total norm and the clip coefficient without Python. Results are bitwise
@@ -15,7 +15,7 @@ became None or appeared, changed dtype or device; a new plan is made from that s
 other tensor-subclass gradients, devices without compiled kernels (the reference fallback),
 ``group=``, torch.compile tracing, and a build of gradfuse._C without this class.
 
-Layer: core. Imports :mod:`gradfuse.ops` and the core modules below it.
+Layer: core. Imports ``gradfuse.ops`` and the core modules below it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Parameter sets with the shapes of real models, for the demo and the benchmarks (no downloads).
 
-Each function returns ``[(name, shape), ...]``; :func:`make_grads` turns one into parameters with
+Each function returns ``[(name, shape), ...]``; ``make_grads`` turns one into parameters with
 random (never zero) gradients.
 """
 from __future__ import annotations

@@ -12,18 +12,18 @@ of two averages is much closer).
 Two sources of the pair of norms:
 
 - gradient accumulation: the first micro-batch's gradient against the accumulated one. Call
-  :meth:`NoiseScale.after_backward` after each backward (``GradMonitor.micro_step()`` does it; the
+  ``NoiseScale.after_backward`` after each backward (``GradMonitor.micro_step()`` does it; the
   integrations call it themselves). The first micro-batch's squared norm is taken by one fused
   stats pass, only on steps that accumulate (the first call of a step does it when
   ``accumulation_steps > 1`` was given or the previous step had more than one micro-batch).
-- DDP: :meth:`NoiseScale.register_ddp` installs a communication hook that takes each bucket's
+- DDP: ``NoiseScale.register_ddp`` installs a communication hook that takes each bucket's
   local squared norm (one fused pass over the bucket, before its all-reduce) and then runs DDP's
   default all-reduce; the all-reduced gradient's norm is the monitor's own statistics. The local
   norms are averaged over the ranks by one all-reduce of one scalar per step.
 
 Everything stays on the device: no host synchronisation per step.
 
-Layer: dynamics (a capability). Imports :mod:`gradfuse.ops` and :mod:`gradfuse.core`.
+Layer: dynamics (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _grads(source) -> list[torch.Tensor]:
     """The gradients of ``source``: an ``nn.Module``, parameters, ``(name, parameter)`` pairs, or
-    a :class:`gradfuse.GradWatch`-like object with ``stats()``."""
+    a ``gradfuse.GradWatch``-like object with ``stats()``."""
     if isinstance(source, torch.nn.Module):
         params = source.parameters()
     else:
@@ -158,7 +158,7 @@ class NoiseScale:
     def after_backward(self, source) -> None:
         """Says a micro-batch's backward has finished. On the first micro-batch of a step that
         accumulates, takes its gradients' squared norm (one fused pass over ``source``: a module,
-        parameters, or a :func:`gradfuse.watch` handle). Under DDP with :meth:`register_ddp` it
+        parameters, or a ``gradfuse.watch`` handle). Under DDP with ``register_ddp`` it
         only counts (the hook measures)."""
         self._micro += 1
         if self._micro == 1 and self._ddp_group is None and self._expects_accumulation():
@@ -256,7 +256,7 @@ class NoiseScale:
         return {"noise_scale": est[1] / est[0], "G2": est[0], "trSigma": est[1]}
 
     def host_values(self) -> dict[str, float] | None:
-        """:meth:`values` as Python numbers (one transfer)."""
+        """``values`` as Python numbers (one transfer)."""
         v = self.values()
         if v is None:
             return None
@@ -291,9 +291,9 @@ class NoiseScale:
 class BackwardEnds:
     """Calls ``fn()`` once at the end of every backward that accumulates into the ``.grad`` of
     any of ``params`` (a post-accumulate-grad hook on each parameter queues one callback on the
-    autograd engine, as DDP's reducer does): how :func:`gradfuse.attach` sees micro-batch
+    autograd engine, as DDP's reducer does): how ``gradfuse.attach`` sees micro-batch
     boundaries without a call in the loop. Costs one Python call per parameter per backward;
-    :meth:`remove` takes the hooks off."""
+    ``remove`` takes the hooks off."""
 
     def __init__(self, params, fn):
         self.fn = fn

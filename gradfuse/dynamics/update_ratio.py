@@ -107,7 +107,7 @@ def _adam_updates(group: dict, state: dict, params, grads, decoupled_default: bo
 def planned_updates(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(parameter, update)`` for every parameter ``optimizer.step()`` will change now (those
     with a gradient), the update computed as the step computes it (module docstring). Raises
-    ``NotImplementedError`` for optimizers it does not know (:func:`unavailable_reason`)."""
+    ``NotImplementedError`` for optimizers it does not know (``unavailable_reason``)."""
     reason = unavailable_reason(optimizer)
     if reason:
         raise NotImplementedError(reason)
@@ -144,7 +144,7 @@ def _sumsq_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 class UpdateRatios:
     """Per-layer update and weight norms of the parameters of ``optimizers``, named through
     ``names_by_param`` (id -> name; others ``group{g}.{i}``) and grouped into layers as
-    :meth:`GradStats.layers` groups them (``layer_depth``)."""
+    ``GradStats.layers`` groups them (``layer_depth``)."""
 
     def __init__(self, optimizers, names_by_param: dict[int, str] | None = None,
                  layer_depth: int | None = None):

@@ -3,6 +3,6 @@
 (``gradfuse.integrations.transformers.attach``). Each module imports its framework only when it
 is imported itself.
 
-Layer: integrations, above the monitor. Imports :mod:`gradfuse.monitor`, :mod:`gradfuse.clip`,
-:mod:`gradfuse.dynamics` and :mod:`gradfuse.utils`.
+Layer: integrations, above the monitor. Imports ``gradfuse.monitor``, ``gradfuse.clip``,
+``gradfuse.dynamics`` and ``gradfuse.utils``.
 """

@@ -1,4 +1,4 @@
-"""PyTorch Lightning (2.x, the ``lightning`` package): :class:`GradfuseCallback`.
+"""PyTorch Lightning (2.x, the ``lightning`` package): ``GradfuseCallback``.
 
     trainer = L.Trainer(gradient_clip_val=1.0, log_every_n_steps=50,
                         callbacks=[GradfuseCallback(explode_threshold=1e4)])
@@ -6,7 +6,7 @@
 The callback runs the monitor in ``on_before_optimizer_step``: once per optimizer step (after
 gradient accumulation), after the precision plugin unscaled the gradients, before Lightning's
 own clipping, which it turns off. A step the policy skips is not taken (see
-:class:`gradfuse.integrations.pytorch.StepGate`).
+``gradfuse.integrations.pytorch.StepGate``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from gradfuse.monitor.sinks import metrics  # noqa: E402
 
 class LightningLoggerSink:
     """Writes monitor records to the Lightning trainer's loggers (TensorBoard, CSV, W&B, ...) as
-    flat metrics (:func:`gradfuse.sinks.metrics`), at the record's step."""
+    flat metrics (``gradfuse.sinks.metrics``), at the record's step."""
 
     def __init__(self, trainer, prefix: str = ""):
         self.trainer = trainer
@@ -63,21 +63,21 @@ def _should_log(trainer) -> bool:
 
 
 class GradfuseCallback(Callback):
-    """Fused gradient statistics, clipping and the skip/raise policies of :class:`GradMonitor`
+    """Fused gradient statistics, clipping and the skip/raise policies of ``GradMonitor``
     for a Lightning ``Trainer``, logged through the trainer's loggers every
     ``log_every_n_steps`` (per-layer and total norms, clip coefficient, clipped / skipped /
     non-finite counts) and on every anomaly.
 
     Args:
         max_norm: clip by total norm: a number, a schedule (callable of the step) or a
-            :class:`gradfuse.ZClip`. None (default): take the Trainer's ``gradient_clip_val``,
+            ``gradfuse.ZClip``. None (default): take the Trainer's ``gradient_clip_val``,
             by norm, or by value with ``gradient_clip_algorithm="value"`` (the monitor's
             ``clip_value``). Either way Lightning's own clipping is turned off for the fit
             (restored afterwards). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor.
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
-            ``trace_nonfinite`` (see :class:`GradMonitor`). ``update_ratios=True`` takes the
+            ``trace_nonfinite`` (see ``GradMonitor``). ``update_ratios=True`` takes the
             optimizer; ``noise_scale=True`` counts micro-batches in ``on_after_backward`` (in
             examples: the first tensor of the batch); the activation hooks go on the
             LightningModule, for the batches Lightning logs, with the first optimizer's monitor.

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers.Trainer``: :func:`attach`.
+"""Hugging Face ``transformers.Trainer``: ``attach``.
 
     trainer = Trainer(model=model, args=TrainingArguments(..., max_grad_norm=1.0), ...)
     gradfuse.integrations.transformers.attach(trainer, explode_threshold=1e4)
@@ -34,11 +34,11 @@ STATE_KEY = "gradfuse"
 
 
 class GradfuseCallback(TrainerCallback):
-    """The :class:`GradMonitor` of a ``transformers.Trainer``; made and placed by :func:`attach`
+    """The ``GradMonitor`` of a ``transformers.Trainer``; made and placed by ``attach``
     (it needs the Trainer: callbacks are not handed the optimizer the Trainer steps).
 
     ``monitor`` is the monitor (counters, ``state_dict()``), ``last_report`` the latest
-    :class:`StepReport`. Step numbers are the Trainer's (``state.global_step`` after the update),
+    ``StepReport``. Step numbers are the Trainer's (``state.global_step`` after the update),
     so records and log lines share its x-axis. On each training log (``logging_steps``) the
     statistics of the latest update are added to the logs (``grad/total_norm``,
     ``grad_l2/<layer>``, the clipped / skipped / non-finite counters, ...) and written to
@@ -191,7 +191,7 @@ class GradfuseCallback(TrainerCallback):
         self.detach()
 
     def detach(self) -> None:
-        """Undoes what :meth:`on_train_begin` changed: the step gate, the norm call, the
+        """Undoes what ``on_train_begin`` changed: the step gate, the norm call, the
         Trainer's ``max_grad_norm``."""
         if self._gate is not None:
             self._gate.remove()
@@ -218,19 +218,19 @@ class GradfuseCallback(TrainerCallback):
 
 
 def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs) -> GradfuseCallback:
-    """Adds a :class:`GradfuseCallback` to ``trainer``, right after the Trainer's flow callback
+    """Adds a ``GradfuseCallback`` to ``trainer``, right after the Trainer's flow callback
     and before its reporting callbacks (TensorBoard, W&B, ...), so that those see the gradient
     statistics in the logs. Returns the callback.
 
     Args:
         max_norm: clip by total norm: a number, a schedule (callable of the step) or a
-            :class:`gradfuse.ZClip`; None (default): the Trainer's ``max_grad_norm``. The Trainer
+            ``gradfuse.ZClip``; None (default): the Trainer's ``max_grad_norm``. The Trainer
             itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``), also when
             ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip instead.
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
-            ``trace_nonfinite`` (see :class:`GradMonitor`). ``update_ratios=True`` takes the
+            ``trace_nonfinite`` (see ``GradMonitor``). ``update_ratios=True`` takes the
             Trainer's optimizer; ``noise_scale=True`` counts the micro-batches of gradient
             accumulation, in examples of ``per_device_train_batch_size``; the activation hooks go
             on ``trainer.model`` for the updates the Trainer logs.

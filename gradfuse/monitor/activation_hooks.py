@@ -1,7 +1,7 @@
-"""The activation hooks a :class:`~gradfuse.monitor.monitor.GradMonitor` arms on the steps it
+"""The activation hooks a ``gradfuse.monitor.monitor.GradMonitor`` arms on the steps it
 samples.
 
-Layer: monitor. Imports :mod:`gradfuse.activations`.
+Layer: monitor. Imports ``gradfuse.activations``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gradfuse.activations.capture import ActivationCapture, is_compiled, resolve
 
 
 class MonitorHooks:
-    """The hooks a :class:`GradMonitor` arms: a full capture (statistics) for the steps it logs,
+    """The hooks a ``GradMonitor`` arms: a full capture (statistics) for the steps it logs,
     a trace capture (non-finite counts only) on every other step when ``trace_nonfinite``, and
     no hook at all otherwise."""
 

@@ -1,8 +1,8 @@
 """The monitor's clip strategy: its clip in every mode from the step's statistics
-(:func:`monitor_clip_`), the check that nothing clipped the gradients before it
-(:class:`DoubleClipCheck`), and the description of a configured mode.
+(``monitor_clip_``), the check that nothing clipped the gradients before it
+(``DoubleClipCheck``), and the description of a configured mode.
 
-Layer: monitor. Imports :mod:`gradfuse.core` and :mod:`gradfuse.clip`.
+Layer: monitor. Imports ``gradfuse.core`` and ``gradfuse.clip``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class DoubleClipCheck:
     reducer's (``finalize_backward``, which writes the all-reduced gradients back: a
     ``copy_`` or an in-place division of the bucket view, each a version bump). The second
     callback records each sentinel gradient's version counter once the backward, DDP's
-    synchronisation included, is over; :meth:`changed` compares it at step time. Costs two hooks
+    synchronisation included, is over; ``changed`` compares it at step time. Costs two hooks
     and four callbacks per backward, whatever the model's size."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str]):

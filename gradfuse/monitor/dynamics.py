@@ -1,10 +1,10 @@
 """What ``GradMonitor(noise_scale=..., update_ratios=...)`` adds to a step: the gradient noise
-scale (:mod:`gradfuse.dynamics.noise_scale`) every step, and the update-to-weight ratios
-(:mod:`gradfuse.dynamics.update_ratio`) on logging steps. The monitor calls
-:meth:`Dynamics.on_step` after its own statistics and clip, right before the optimizer steps,
-and :meth:`Dynamics.record` when it writes a record.
+scale (``gradfuse.dynamics.noise_scale``) every step, and the update-to-weight ratios
+(``gradfuse.dynamics.update_ratio``) on logging steps. The monitor calls
+``Dynamics.on_step`` after its own statistics and clip, right before the optimizer steps,
+and ``Dynamics.record`` when it writes a record.
 
-Layer: monitor. Imports :mod:`gradfuse.dynamics` and :mod:`gradfuse.ops.layout`.
+Layer: monitor. Imports ``gradfuse.dynamics`` and ``gradfuse.ops.layout``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The pictures of a run drawn from GradMonitor records (matplotlib, imported on first use): the
 gradient flow (per-layer L2 heatmap, total norm with clip events, per-layer zero fraction) and the
 per-layer exponent panels. The monitor's sinks draw them (``TensorBoardSink(images_every=N)``,
-``WandbSink``, ``MLflowSink``); :mod:`gradfuse.viz.gradflow` draws them from a JSONL log.
+``WandbSink``, ``MLflowSink``); ``gradfuse.viz.gradflow`` draws them from a JSONL log.
 
-Layer: monitor. Imports :mod:`gradfuse.numerics` and :mod:`gradfuse.utils`.
+Layer: monitor. Imports ``gradfuse.numerics`` and ``gradfuse.utils``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ __all__ = ["exponent_figure", "gradflow_figure", "record_figures"]
 
 
 def record_figures(records: list[dict]) -> dict:
-    """The pictures of ``records`` by tag: ``grad/gradflow`` (:func:`gradflow_figure`) and, when
+    """The pictures of ``records`` by tag: ``grad/gradflow`` (``gradflow_figure``) and, when
     the records carry ``exponents`` (``GradMonitor(histogram=True)``), ``grad/exponents``
-    (:func:`exponent_figure`). The default ``figure_fn`` of the sinks that draw."""
+    (``exponent_figure``). The default ``figure_fn`` of the sinks that draw."""
     if not records:
         return {}
     out = {"grad/gradflow": gradflow_figure(records)}

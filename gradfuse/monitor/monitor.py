@@ -2,9 +2,9 @@
 non-finite and exploding gradients that name the parameters at fault.
 
 The monitor composes its parts: the watch handle (statistics), the policies
-(:mod:`gradfuse.monitor.policies`), the clip strategy (:mod:`gradfuse.monitor.clip_strategy`),
-the dynamics (:mod:`gradfuse.monitor.dynamics`), the activation hooks
-(:mod:`gradfuse.monitor.activation_hooks`) and the sink set (:mod:`gradfuse.monitor.sink_set`).
+(``gradfuse.monitor.policies``), the clip strategy (``gradfuse.monitor.clip_strategy``),
+the dynamics (``gradfuse.monitor.dynamics``), the activation hooks
+(``gradfuse.monitor.activation_hooks``) and the sink set (``gradfuse.monitor.sink_set``).
 It never stops a run because of its own output: a sink that raises is warned about once,
 retried with a back-off, and every record it did not write is counted.
 
@@ -40,7 +40,7 @@ STATE_VERSION = 1
 COUNTERS = ("skipped_steps", "anomaly_steps", "nonfinite_steps", "explode_steps", "amp_overflow_steps")
 
 class GradientAnomaly(RuntimeError):
-    """Raised by the ``"raise"`` policy; ``report`` holds the step's :class:`StepReport`."""
+    """Raised by the ``"raise"`` policy; ``report`` holds the step's ``StepReport``."""
 
     def __init__(self, message: str, report: "StepReport"):
         super().__init__(message)
@@ -49,10 +49,10 @@ class GradientAnomaly(RuntimeError):
 
 @dataclass
 class StepReport:
-    """What :meth:`GradMonitor.step` saw and decided.
+    """What ``GradMonitor.step`` saw and decided.
 
     ``skip`` says to skip this optimizer step (the ``"skip"`` policy fired; gradients are left
-    as they were, unclipped, for inspection). ``stats`` is the step's :class:`GradStats` (device
+    as they were, unclipped, for inspection). ``stats`` is the step's ``GradStats`` (device
     tensors; reading them syncs). ``anomalies`` names what fired: ``"nonfinite"``,
     ``"explode"``, or ``"amp_overflow"`` (a GradScaler step with Inf/NaN gradients: the scaler
     skips it and lowers its scale; not counted as an anomaly of the model).
@@ -74,15 +74,15 @@ class GradMonitor:
 
     Args:
         model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
-            :func:`gradfuse.watch` handle (see there for when its parameters are re-resolved).
+            ``gradfuse.watch`` handle (see there for when its parameters are re-resolved).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
             Also a schedule, a callable of the step number returning the value (``lambda step:
             1.0 if step < 5000 else 0.5``; logged each logging step as ``max_norm``; a value that
             is NaN, negative or not a number, or a schedule that raises, is an anomaly named
             ``"max_norm"`` handled by ``on_nonfinite``: ``raise`` raises a ValueError naming the
             step, ``skip`` skips the step, ``warn`` / ``ignore`` do not clip that step), or a
-            :class:`gradfuse.ZClip` (adaptive threshold, state on the device and in
-            :meth:`state_dict`). See :mod:`gradfuse.clip`.
+            ``gradfuse.ZClip`` (adaptive threshold, state on the device and in
+            ``state_dict``). See ``gradfuse.clip``.
         per: with ``max_norm``: ``"param"`` / ``"layer"`` clips each parameter / layer (grouped
             as ``layer_depth`` groups them) by its own norm.
         clip_value: clamp every gradient to ``[-clip_value, clip_value]`` (as
@@ -101,33 +101,33 @@ class GradMonitor:
             circuit breaker. Clipping would still apply a full ``max_norm`` step in the direction
             of a gradient that is mostly noise, and without clipping the spike enters Adam's
             second moments and shrinks the learning rate for thousands of steps.
-        sinks: objects with ``write(record: dict)`` (see :mod:`gradfuse.monitor.sinks`).
+        sinks: objects with ``write(record: dict)`` (see ``gradfuse.monitor.sinks``).
         layer_depth: how parameters are grouped into layers for the per-layer aggregates.
             None (default): by module path up to the first block index (``transformer.h.3``,
             ``layers.0``; ``lm_head`` for parameters outside numbered blocks); an int: that many
             leading name parts.
         scaler: a ``torch.amp.GradScaler``. Either call ``scaler.unscale_(optimizer)`` before
-            :meth:`step`, or pass ``optimizer`` too and let the monitor unscale, check and clip
+            ``step``, or pass ``optimizer`` too and let the monitor unscale, check and clip
             in one fused pass (one read and one write of the gradients instead of three reads
-            and two writes; see :func:`gradfuse.unscale_clip_`).
+            and two writes; see ``gradfuse.unscale_clip_``).
         optimizer: with ``scaler``: the optimizer whose gradients the monitor unscales.
-        enabled: False turns the monitor off: :meth:`step` then does nothing at all.
+        enabled: False turns the monitor off: ``step`` then does nothing at all.
         start_step: the first step number. A resumed run restores it (and the counters) with
-            :meth:`load_state_dict`.
+            ``load_state_dict``.
         histogram: on logging steps also the per-layer exponent histogram (record key
             ``exponents``) and numeric headroom for fp16 / bf16 / fp8 (``headroom``; metrics
             ``headroom/<layer>/<column>``), of the gradients as the optimizer gets them (after
             unscaling and clipping): two more fused passes on logging steps only
-            (see :mod:`gradfuse.numerics.headroom`).
-        noise_scale: True or a :class:`gradfuse.NoiseScale`: the gradient noise scale, logged as
+            (see ``gradfuse.numerics.headroom``).
+        noise_scale: True or a ``gradfuse.NoiseScale``: the gradient noise scale, logged as
             ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
-            :mod:`gradfuse.dynamics.noise_scale`; call :meth:`micro_step` after each backward under
+            ``gradfuse.dynamics.noise_scale``; call ``micro_step`` after each backward under
             gradient accumulation, or register the DDP hook).
         update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
             ratios and weight norms on logging steps, ``update_ratio/<layer>``,
-            ``weight_norm/<layer>`` (see :mod:`gradfuse.dynamics.update_ratio`).
+            ``weight_norm/<layer>`` (see ``gradfuse.dynamics.update_ratio``).
         activations: also log the statistics of every module's output and of the gradient with
-            respect to it (see :func:`gradfuse.capture_activations`) on the steps that are logged
+            respect to it (see ``gradfuse.capture_activations``) on the steps that are logged
             (``every``): hooks are registered for those steps only (armed at the end of the step
             before), no hook at all on the others. Records get ``act`` and ``act_grad`` per layer.
         trace_nonfinite: on every step, one small fused reduction per module output and output
@@ -136,7 +136,7 @@ class GradMonitor:
             ``StepReport.first_nonfinite``.
         activation_modules: which modules (names or modules; default: all) for both options.
         module: the nn.Module whose activations are watched when ``model`` is not one (e.g. named
-            parameters; :func:`gradfuse.attach` passes its ``model``).
+            parameters; ``gradfuse.attach`` passes its ``model``).
         sink_ranks: which processes write to the sinks when ``torch.distributed`` is initialised
             with more than one process: ``0`` (default; every rank still takes the statistics,
             only rank 0 writes), another rank number, or ``"all"`` (every rank writes its own
@@ -146,7 +146,7 @@ class GradMonitor:
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
 
-    Sinks never stop training: see :meth:`write` for what happens when one raises.
+    Sinks never stop training: see ``write`` for what happens when one raises.
     """
 
     def __init__(self, model, *, max_norm: float | None = None, norm_type: float = 2.0,
@@ -254,7 +254,7 @@ class GradMonitor:
         return self._sink_set.dropped
 
     def sink_health(self) -> list[dict]:
-        """Per sink, in the order of :attr:`sinks`: ``sink`` (its class name), ``written``,
+        """Per sink, in the order of ``sinks``: ``sink`` (its class name), ``written``,
         ``dropped``, ``failures`` (consecutive), ``retry_in`` (records it still sits out) and
         ``last_error``."""
         return self._sink_set.health()
@@ -421,7 +421,7 @@ class GradMonitor:
 
     @property
     def noise_scale(self):
-        """The :class:`gradfuse.NoiseScale` estimator, or None."""
+        """The ``gradfuse.NoiseScale`` estimator, or None."""
         return None if self.dynamics is None else self.dynamics.noise_scale
 
 
@@ -509,7 +509,7 @@ class GradMonitor:
         sinks. The rule: its first failure warns once, with the reason; after its k-th
         consecutive failure it sits out the next ``min(2**(k-1), 64)`` records, then is tried
         again; a success resets k. Every record a sink did not write counts in
-        :attr:`dropped_records` (per sink: :meth:`sink_health`).
+        ``dropped_records`` (per sink: ``sink_health``).
 
         Under ``torch.distributed`` with two or more processes only the ranks of ``sink_ranks``
         write (every rank builds the record, so collectives stay matched); with ``"all"`` each
@@ -544,7 +544,7 @@ class GradMonitor:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores :meth:`state_dict`: the next :meth:`step` continues the numbering and counts."""
+        """Restores ``state_dict``: the next ``step`` continues the numbering and counts."""
         missing = {"step", "clipped_steps", *COUNTERS} - set(state)
         if missing:
             raise KeyError(f"gradfuse.GradMonitor.load_state_dict: missing {sorted(missing)}")
@@ -564,14 +564,14 @@ class GradMonitor:
 
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended
-        (its counters cover every step). :meth:`close` does this first."""
+        (its counters cover every step). ``close`` does this first."""
         last = self._last_report
         if last is not None and not last.logged and last.stats is not None:
             self._write(last, event=False)
             last.logged = True
 
     def close(self) -> None:
-        """Logs the last step (:meth:`flush`) and closes the sinks (a sink that fails to close
+        """Logs the last step (``flush``) and closes the sinks (a sink that fails to close
         is warned about, never raised)."""
         if self._act_hooks is not None:
             self._act_hooks.take()  # no hook outlives the monitor

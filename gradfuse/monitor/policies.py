@@ -6,7 +6,7 @@ the total norm exceeds ``explode_threshold`` (``"explode"``), or when a ``max_no
 gave a bad value (``"max_norm"``). Each anomaly has a policy: ``"raise"``, ``"skip"`` (the
 optimizer step), ``"warn"`` or ``"ignore"``.
 
-Layer: monitor. Imports torch and :mod:`gradfuse.core`.
+Layer: monitor. Imports torch and ``gradfuse.core``.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Decision:
 
 def decide(flags: int, *, amp_active: bool, bad_max_norm: bool, on_nonfinite: str,
            on_explode: str) -> Decision:
-    """The decision for a step whose :func:`anomaly_flags` read ``flags``. Under an enabled
+    """The decision for a step whose ``anomaly_flags`` read ``flags``. Under an enabled
     GradScaler, non-finite gradients are its overflow: the scaler skips that step and lowers its
     scale, so no policy applies (and the gradients are left to it). A bad ``max_norm`` from a
     schedule is under ``on_nonfinite``."""

@@ -6,7 +6,7 @@ The rule: a sink that raises (a full disk, a closed writer, a metrics client tha
 reason; after its k-th consecutive failure it sits out the next ``min(2**(k-1), 64)`` records,
 then is tried again; a success resets k. Every record a sink did not write is counted.
 
-Layer: monitor. Imports :mod:`gradfuse.utils` only.
+Layer: monitor. Imports ``gradfuse.utils`` only.
 """
 from __future__ import annotations
 

@@ -11,17 +11,17 @@ aggregates); with ``GradMonitor(activations=True)`` on logged steps also act and
 layer: module outputs and the gradients with respect to them), and first_nonfinite when traced.
 
 Sinks that talk to a tracker may also have ``on_start(config: dict)``: the monitor hands them its
-settings (:meth:`GradMonitor.config`) once, before the first record. Under ``torch.distributed``
+settings (``GradMonitor.config``) once, before the first record. Under ``torch.distributed``
 only rank 0 writes unless ``GradMonitor(sink_ranks="all")``; records then carry ``rank``.
 
-Pictures (``images_every=N`` on :class:`TensorBoardSink`, :class:`WandbSink`,
-:class:`MLflowSink`): every N-th logged step the sink draws the records it kept (a window of the
+Pictures (``images_every=N`` on ``TensorBoardSink``, ``WandbSink``,
+``MLflowSink``): every N-th logged step the sink draws the records it kept (a window of the
 last ``window`` records, without their per-parameter rows) with ``figure_fn(records)``, a
 matplotlib Figure or a dict of tag -> Figure; by default
-:func:`gradfuse.monitor.figures.record_figures` (``grad/gradflow``: the per-layer L2 heatmap,
+``gradfuse.monitor.figures.record_figures`` (``grad/gradflow``: the per-layer L2 heatmap,
 total norm with clip events and zero fractions; ``grad/exponents``: the per-layer exponent panels,
 with ``GradMonitor(histogram=True)``). Default ``images_every=0``: no pictures (drawing takes
-about a second). :meth:`close` draws once more when records came after the last picture.
+about a second). ``close`` draws once more when records came after the last picture.
 
 Exponent histograms (``histograms=True``, the default, with ``GradMonitor(histogram=True)``): per
 layer, the value axis is the binary exponent floor(log2|g|) itself, not 2**e (a gradient spans
@@ -31,8 +31,8 @@ bin ``e + 151`` covers [e, e+1) and has the upper limit ``e + 1``, the log2 of t
 ``grad_zero_fraction/<layer>`` and ``grad_nonfinite/<layer>``); so are the float64-only bins
 below 2**-149 and above 2**128.
 
-Layer: monitor. Imports :mod:`gradfuse.utils`, :mod:`gradfuse.numerics.histogram` (the bins) and
-:mod:`gradfuse.monitor.figures` (the pictures); the trackers are imported on first use.
+Layer: monitor. Imports ``gradfuse.utils``, ``gradfuse.numerics.histogram`` (the bins) and
+``gradfuse.monitor.figures`` (the pictures); the trackers are imported on first use.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class JsonlSink:
     Each record is one ``write`` of one line to an unbuffered file (``fsync=True`` also forces it
     to disk). A path that cannot be opened fails here, at construction, not at the first logged
     step. A line torn by a crash or a failed write (a full disk) is set apart with a newline
-    before the next record, and :func:`read_jsonl` skips it. NaN and Inf are written as the JSON
-    extensions ``NaN`` / ``Infinity``, which Python's json reads back. :meth:`last_step` is the
+    before the next record, and ``read_jsonl`` skips it. NaN and Inf are written as the JSON
+    extensions ``NaN`` / ``Infinity``, which Python's json reads back. ``last_step`` is the
     last step the file holds (read from its end).
     """
 
@@ -248,13 +248,13 @@ def _close_figure(fig) -> None:
 
 
 class TensorBoardSink:
-    """Through a ``torch.utils.tensorboard.SummaryWriter``: the scalars of :func:`metrics` (total
+    """Through a ``torch.utils.tensorboard.SummaryWriter``: the scalars of ``metrics`` (total
     norm, clip coefficient and clip events, per layer L2 norm, zero fraction, non-finite count,
     ...), anomalies as text (``grad/anomaly``), and
 
     - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer the gradient
       exponent histogram ``grad_exponent/<layer>`` (``add_histogram_raw``; the value axis is
-      log2|g|: bucket limits ``e + 1``, see :func:`exponent_buckets`);
+      log2|g|: bucket limits ``e + 1``, see ``exponent_buckets``);
     - ``images_every=N`` (default 0: none): every N-th logged step the pictures of the last
       ``window`` records (``add_figure``; tags ``grad/gradflow`` and ``grad/exponents`` by
       default, or what ``figure_fn(records)`` returns: a Figure, or a dict of tag -> Figure).
@@ -313,19 +313,19 @@ class MetricsSink:
 
 class WandbSink(MetricsSink):
     """A Weights & Biases run (``wandb.init()``'s, or None: ``wandb.run`` when writing): the
-    metrics of :func:`metrics` in one ``run.log(..., step=)`` per record, and
+    metrics of ``metrics`` in one ``run.log(..., step=)`` per record, and
 
     - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer
       ``grad_exponent/<layer>`` as ``wandb.Histogram(np_histogram=(counts, edges))`` on the log2
-      axis (:func:`exponent_buckets`);
+      axis (``exponent_buckets``);
     - ``images_every=N`` (default 0): every N-th logged step the pictures as ``wandb.Image(fig)``
-      (tags as :class:`TensorBoardSink`'s);
+      (tags as ``TensorBoardSink``'s);
     - anomalies in ``run.summary``: ``grad/last_anomaly`` (the kinds, comma separated),
       ``grad/last_anomaly_step``, ``grad/last_anomaly_message`` and ``grad/anomalies/<kind>``
       (records with that kind this sink wrote);
-    - the monitor's settings in ``run.config["gradfuse"]`` (:meth:`on_start`).
+    - the monitor's settings in ``run.config["gradfuse"]`` (``on_start``).
 
-    Any other object with ``log(dict, step=)`` still works (as :class:`MetricsSink`; the
+    Any other object with ``log(dict, step=)`` still works (as ``MetricsSink``; the
     histograms and pictures then need ``wandb`` importable; summary and config are set when the
     object has them)."""
 
@@ -395,13 +395,13 @@ _MLFLOW_KEY = re.compile(r"[^\w\-. /]")
 
 class MLflowSink:
     """An MLflow run through ``mlflow.tracking.MlflowClient``: per record, the metrics of
-    :func:`metrics` in one ``log_batch`` (at the record's step; characters MLflow refuses in a
+    ``metrics`` in one ``log_batch`` (at the record's step; characters MLflow refuses in a
     key, as in a layer called ``(root)``, become ``_``); anomalies as tags
     (``gradfuse.last_anomaly``: the kinds, ``gradfuse.last_anomaly_step``,
     ``gradfuse.last_anomaly_message``, ``gradfuse.anomalies.<kind>``: records with that kind);
-    the monitor's settings as params ``gradfuse.<name>`` (:meth:`on_start`); and with
+    the monitor's settings as params ``gradfuse.<name>`` (``on_start``); and with
     ``images_every=N`` every N-th logged step the pictures as artifacts
-    ``gradfuse/<tag>_step<step>.png`` (``log_figure``; tags as :class:`TensorBoardSink`'s, ``/``
+    ``gradfuse/<tag>_step<step>.png`` (``log_figure``; tags as ``TensorBoardSink``'s, ``/``
     as ``_``).
 
     ``run_id``: the run to write to; None: the active run (``mlflow.start_run()``), with the
@@ -489,7 +489,7 @@ class PrometheusSink:
 
     Records with a ``rank`` key (``GradMonitor(sink_ranks="all")``) put a ``rank`` label on every
     metric: the first such record re-registers them with it.
-    ``gradfuse/monitor/grafana_dashboard.json`` (:func:`grafana_dashboard_path`) is a Grafana
+    ``gradfuse/monitor/grafana_dashboard.json`` (``grafana_dashboard_path``) is a Grafana
     dashboard of these metrics for the default prefix."""
 
     def __init__(self, registry=None, prefix: str = "gradfuse"):
@@ -553,5 +553,5 @@ class PrometheusSink:
 def grafana_dashboard_path() -> str:
     """The path of the Grafana dashboard shipped with gradfuse (JSON, for provisioning or
     import): total norm and clip threshold, clip events, per-layer L2 norms as a heatmap,
-    anomalies; for :class:`PrometheusSink`'s metrics with the default prefix."""
+    anomalies; for ``PrometheusSink``'s metrics with the default prefix."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "grafana_dashboard.json")

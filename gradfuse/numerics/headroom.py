@@ -1,4 +1,4 @@
-"""Numeric headroom: from a tensor's exponent histogram (:mod:`gradfuse.numerics.histogram`) and its
+"""Numeric headroom: from a tensor's exponent histogram (``gradfuse.numerics.histogram``) and its
 largest magnitude, the fraction of its elements that a cast to a narrower float format would
 flush to zero, make subnormal, or overflow; without scaling, and with the per-tensor amax
 scaling of TransformerEngine.
@@ -31,7 +31,7 @@ log2); every binade's upper edge is capped at log2(amax), so that the scaled max
 counts as overflow. Bin 0 of float64 tensors (|x| < 2^-149) is taken as the binade 2^-150 and
 bin 279 (finite |x| >= 2^128) as the binade 2^128.
 
-Layer: numerics (a capability). Imports :mod:`gradfuse.ops.layout` and the core's GradStats
+Layer: numerics (a capability). Imports ``gradfuse.ops.layout`` and the core's GradStats
 helpers.
 """
 from __future__ import annotations

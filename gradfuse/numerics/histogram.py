@@ -19,8 +19,8 @@ bin                   elements
 The exponent comes from the bits (the biased exponent field, or for a subnormal the highest set
 mantissa bit), the same arithmetic on the CPU and the GPU (``csrc/common/hist_math.h``).
 
-Layer: numerics (a capability). Imports :mod:`gradfuse.ops`, :mod:`gradfuse.core` and
-:mod:`gradfuse.numerics.headroom`.
+Layer: numerics (a capability). Imports ``gradfuse.ops``, ``gradfuse.core`` and
+``gradfuse.numerics.headroom``.
 """
 from __future__ import annotations
 

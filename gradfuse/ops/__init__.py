@@ -3,9 +3,9 @@ per device; every op takes ONE (device, dtype) group of dense float tensors and 
 the host.
 
 Layer: ops, the bottom of the package. Its modules import torch and each other, nothing else of
-gradfuse: :mod:`~gradfuse.ops.library` (loading the extension, build checks, the backend per
-device), :mod:`~gradfuse.ops.fake` (fake kernels for torch.compile and opcheck),
-:mod:`~gradfuse.ops.reference` (the fallback and test oracle), :mod:`~gradfuse.ops.layout` (the
+gradfuse: ``gradfuse.ops.library`` (loading the extension, build checks, the backend per
+device), ``gradfuse.ops.fake`` (fake kernels for torch.compile and opcheck),
+``gradfuse.ops.reference`` (the fallback and test oracle), ``gradfuse.ops.layout`` (the
 columns and bins of the results).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units: list[int], norm_
     dims 1.. as timm's AGC takes it; ``1``: the whole tensor; ``0`` only for an empty tensor).
 
     Returns ``(floats, counts)``: float64 and int64 ``[sum(units), 4]``, the rows of every unit
-    of every tensor in order, columns as :func:`multi_tensor_stats`. A tensor that is not
+    of every tensor in order, columns as ``multi_tensor_stats``. A tensor that is not
     contiguous (with units > 1) is copied to a contiguous one first.
     """
     if not tensors or not op_compiled("multi_tensor_unit_stats", tensors[0].device):
@@ -60,7 +60,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units: list[int], norm_
 
 def multi_tensor_unit_scale_(tensors: list[torch.Tensor], units: list[int], coefs: torch.Tensor,
                              conditional: bool = True) -> None:
-    """Multiplies unit j of tensor i (units as :func:`multi_tensor_unit_stats`) in place by its
+    """Multiplies unit j of tensor i (units as ``multi_tensor_unit_stats``) in place by its
     coefficient: ``coefs`` is 1-D with ``sum(units)`` entries on the tensors' device (any float
     dtype; the kernels compute in float32, float64 for float64 data). ``conditional``: a unit
     whose coefficient is >= 1 is not touched at all (decided on the device); NaN scales."""
@@ -84,7 +84,7 @@ def multi_tensor_scale_per_tensor_(tensors: list[torch.Tensor], coefs: torch.Ten
 def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
     """Clamps every element to ``[-clip_value, clip_value]`` in place in one pass, exactly as
     ``torch.nn.utils.clip_grad_value_`` (NaN stays NaN, -0.0 stays), and returns
-    ``(floats, counts, clamped)``: the :func:`multi_tensor_stats` rows (norm_type 2) of the values
+    ``(floats, counts, clamped)``: the ``multi_tensor_stats`` rows (norm_type 2) of the values
     *before* clamping, and int64 ``[n]`` with the number of elements clamping changed per tensor
     (|x| > clip_value as rounded to the dtype; NaN not counted). ``clip_value`` must be >= 0."""
     reference.check_clip_value(clip_value, "gradfuse.multi_tensor_clamp_")
@@ -95,7 +95,7 @@ def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
 
 def multi_tensor_exponent_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:
     """int64 ``[len(tensors), NUM_BINS]`` on the tensors' device: per tensor, how many elements
-    have each binary exponent (bins as :mod:`gradfuse.ops.layout`), for one (device, dtype)
+    have each binary exponent (bins as ``gradfuse.ops.layout``), for one (device, dtype)
     group of dense float16 / bfloat16 / float32 / float64 tensors; no host synchronisation."""
     if not tensors or not op_compiled("multi_tensor_exponent_histogram", tensors[0].device):
         return reference.multi_tensor_exponent_histogram(tensors)

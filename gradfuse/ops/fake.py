@@ -1,7 +1,7 @@
 """Fake (meta) kernels of the compiled ops, so that torch.compile can trace them and
 ``torch.library.opcheck`` can check them: each returns empty tensors of the real op's shapes.
 
-Layer: ops. Imports :mod:`gradfuse.ops.library` and :mod:`gradfuse.ops.layout`.
+Layer: ops. Imports ``gradfuse.ops.library`` and ``gradfuse.ops.layout``.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The compiled ops are registered with the dispatcher as ``torch.ops.gradfuse.*``.
 another torch than the one running is refused at import, with both versions and the command that
 rebuilds it (from the extension's own build info, or from gradfuse/_build_record.py when the .so
 no longer loads). Where the extension is missing or has no kernel for a device type, the
-pure-PyTorch reference (:mod:`gradfuse.ops.reference`) runs instead, with one warning per device type.
+pure-PyTorch reference (``gradfuse.ops.reference``) runs instead, with one warning per device type.
 """
 from __future__ import annotations
 

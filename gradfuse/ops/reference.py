@@ -7,7 +7,7 @@ returned in float32: sums of squares and power sums then carry float32's relativ
 about 1e-7 per addition, so norms over n elements are within about n * 1e-7 relative (much less
 in practice: torch's float32 reductions are pairwise); counts are exact.
 
-Layer: ops (the bottom). Imports only :mod:`gradfuse.ops.layout`.
+Layer: ops (the bottom). Imports only ``gradfuse.ops.layout``.
 
 ``tensor_rows`` is the slow path for what the kernels do not take: sparse (COO) and complex
 tensors, and negative norm orders (including -inf).
@@ -197,7 +197,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
 
 def multi_tensor_unit_scale_(tensors: list[torch.Tensor], units, coefs: torch.Tensor,
                              conditional: bool = True) -> None:
-    """Multiplies unit j of tensor i (units as in :func:`multi_tensor_unit_stats`) in place by its
+    """Multiplies unit j of tensor i (units as in ``multi_tensor_unit_stats``) in place by its
     coefficient (``coefs``: one per unit, concatenated in order). ``conditional``: by min(coef, 1)
     (NaN stays NaN), which is exact where the compiled op leaves a unit untouched."""
     op = "gradfuse.multi_tensor_unit_scale_"
@@ -253,7 +253,7 @@ def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
 def exponent_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The histogram op's result computed with ``torch.frexp`` in float64 (exact for every float
     dtype), on the tensors' device: the fallback where gradfuse._C has no kernel, and a test
-    oracle. Bins as :mod:`gradfuse.ops.layout`."""
+    oracle. Bins as ``gradfuse.ops.layout``."""
     if not tensors:
         return torch.zeros((0, NUM_BINS), dtype=torch.int64)
     rows = []

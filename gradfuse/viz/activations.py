@@ -20,7 +20,7 @@ def activations_path(out_path: str | os.PathLike) -> str:
 
 
 def plot_activations(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dpi: int = 110) -> str:
-    """Draws :func:`activation_figure` of a JSONL log into ``out_path`` (PNG); returns the path."""
+    """Draws ``activation_figure`` of a JSONL log into ``out_path`` (PNG); returns the path."""
     records = [r for r in read_jsonl(jsonl_path) if r.get("act")]
     if not records:
         raise ValueError(f"gradfuse plot: no activation records in {jsonl_path} "

@@ -1,5 +1,5 @@
 """Gradient-flow pictures from a JSONL log written by GradMonitor (matplotlib, optional). The
-figures themselves are drawn by :mod:`gradfuse.monitor.figures` (the sinks draw them too)."""
+figures themselves are drawn by ``gradfuse.monitor.figures`` (the sinks draw them too)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from gradfuse.utils import require
 
 
 def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dpi: int = 110) -> str:
-    """Draws the picture of :func:`gradflow_figure` from a JSONL log into ``out_path`` (PNG).
+    """Draws the picture of ``gradflow_figure`` from a JSONL log into ``out_path`` (PNG).
     Returns the path written."""
     records = read_jsonl(jsonl_path)
     if not records:
@@ -32,14 +32,14 @@ def plot_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike, dp
 
 
 def noise_scale_path(out_path: str | os.PathLike) -> str:
-    """Where :func:`plot_gradflow` draws the noise-scale curve: ``<out>_noise_scale.png``."""
+    """Where ``plot_gradflow`` draws the noise-scale curve: ``<out>_noise_scale.png``."""
     root, ext = os.path.splitext(os.fspath(out_path))
     return f"{root}_noise_scale{ext or '.png'}"
 
 
 def noise_scale_figure(records: list[dict]):
     """The gradient noise scale B_simple = tr(Sigma) / |G|^2 over the logged steps (log scale),
-    with its two EMA estimates, |G|^2 and tr(Sigma), below (see :mod:`gradfuse.dynamics.noise_scale`)."""
+    with its two EMA estimates, |G|^2 and tr(Sigma), below (see ``gradfuse.dynamics.noise_scale``)."""
     matplotlib = require("matplotlib", "matplotlib", "plot_gradflow")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
