@@ -102,3 +102,60 @@ def test_attach_recognises_the_accelerated_optimizer():
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_accelerate_scaler_is_taken_and_its_bookkeeping_kept():
+    """fp16 in accelerate needs a GPU; its AcceleratedOptimizer with a GradScaler is built here by
+    hand on the CPU: attach takes that scaler, unscales fused with its statistics, clips as
+    scaler.unscale_ + clip_grad_norm_ would, and a step its policy skips still updates the scaler."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        from accelerate import Accelerator
+        Accelerator(cpu=True)
+
+        def setup():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+            opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       device_placement=False, scaler=scaler)
+            return model, opt, scaler
+
+        g = torch.Generator().manual_seed(2)
+        batches = [torch.randn(5, 4, generator=g) * 10 for _ in range(4)]
+        model, opt, scaler = setup()
+        ref_model, ref_opt, ref_scaler = setup()
+        handle = gradfuse.attach(opt, model, max_norm=0.5, every=0, explode_threshold=1e6,
+                                 on_explode="skip")
+        assert handle.scaler is scaler and handle.monitor.scaler is scaler
+        for i, x in enumerate(batches):
+            scaler.scale(model(x).square().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+            ref_scaler.scale(ref_model(x).square().sum()).backward()
+            ref_scaler.unscale_(ref_opt.optimizer)
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q)
+        assert handle.monitor.step_count == 4 and handle.monitor.clipped_steps == 4
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        # A step the policy skips: no update, and the scaler is ready for the next step.
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(batches[0]).square().sum() * 1e9).backward()
+        opt.step()
+        assert handle.last_report.skip and handle.last_report.anomalies == ["explode"]
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        opt.zero_grad()
+        scaler.scale(model(batches[1]).square().sum()).backward()
+        unscaled = float(torch.linalg.vector_norm(torch.stack(
+            [p.grad.norm() for p in model.parameters()]))) / scaler.get_scale()
+        opt.step()  # the scaler was updated after the skip: these gradients are unscaled again
+        assert not handle.last_report.skip
+        assert float(handle.last_report.stats.total_norm) == pytest.approx(unscaled, rel=1e-5)
+        handle.detach()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
