@@ -23,7 +23,7 @@ class StepGate:
     again). A skipped step returns the closure's loss, or None. ``on_skip(optimizer)`` runs after a
     skip (e.g. a scaler's bookkeeping). While ``bypass(optimizer)`` is true the gate passes the
     call straight through, closure and all, without asking ``before_step`` (an accelerate
-    micro-step, where the wrapped ``step`` does nothing). :meth:`remove` restores ``step``.
+    micro-step, where the wrapped ``step`` does nothing). ``remove`` restores ``step``.
     """
 
     def __init__(self, optimizer, before_step: Callable[[object], bool],
@@ -117,8 +117,8 @@ def named_optimizer_params(optimizers, model: nn.Module | None = None) -> list[t
 
 
 class Attachment:
-    """What :func:`gradfuse.attach` returns. ``monitor`` is the :class:`GradMonitor` (counters,
-    ``state_dict()``), ``last_report`` the latest :class:`StepReport`; :meth:`detach` undoes
+    """What ``gradfuse.attach`` returns. ``monitor`` is the ``GradMonitor`` (counters,
+    ``state_dict()``), ``last_report`` the latest ``StepReport``; ``detach`` undoes
     the attachment (also as a context manager)."""
 
     def __init__(self, optimizers: list, model: nn.Module | None, scaler, monitor_kwargs: dict):
@@ -253,7 +253,7 @@ class Attachment:
 
 def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
            model: nn.Module | None = None, *, scaler=None, **monitor_kwargs) -> Attachment:
-    """Runs a :class:`GradMonitor` (statistics, clip, policies, logging) right before every
+    """Runs a ``GradMonitor`` (statistics, clip, policies, logging) right before every
     ``optimizer.step()``; a step the policy skips is not taken at all (no parameter, momentum,
     weight-decay or step-count update), as ``GradScaler`` skips one. The loop does not change::
 
@@ -281,10 +281,10 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             scaler is taken. The monitor runs only on the steps accelerate takes
             (``accelerator.sync_gradients``), not on the micro-steps of gradient accumulation, and
             replaces ``accelerator.clip_grad_norm_``.
-        **monitor_kwargs: what :class:`GradMonitor` takes (``max_norm``, ``every``, ``sinks``,
+        **monitor_kwargs: what ``GradMonitor`` takes (``max_norm``, ``every``, ``sinks``,
             ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
-            schedule or a :class:`gradfuse.ZClip`, and ``per``, ``clip_value``, ``agc`` choose
-            other clipping modes, see :mod:`gradfuse.clip`). ``update_ratios=True``
+            schedule or a ``gradfuse.ZClip``, and ``per``, ``clip_value``, ``agc`` choose
+            other clipping modes, see ``gradfuse.clip``). ``update_ratios=True``
             takes the attached optimizers; ``noise_scale=True`` counts micro-batches by the
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
