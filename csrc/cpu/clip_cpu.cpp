@@ -1,4 +1,4 @@
-// CPU implementations of the clipping ops of issue 17 (schemas in gradfuse.cpp):
+// CPU implementations of the clipping ops (schemas in gradfuse.cpp):
 // multi_tensor_unit_stats, multi_tensor_unit_scale_ and multi_tensor_clamp_, over the unit plan
 // of common/unit_plan.h (units of 1 give the chunk plan of the stats op).
 #include <ATen/ATen.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/unit_ops.h"
+#include "../common/engine.h"
 #include "clip_kernels.h"
 #include "cpu_capability.h"
 
@@ -142,7 +142,7 @@ void read_scale_inputs(at::TensorList tensors, at::IntArrayRef units, const acc_
       TORCH_CHECK(false, op, ": tensors[", i, "] is not a dense ", dtype, " tensor on ", device);
     }
     const int64_t numel = t.numel(), u = units[i];
-    if (!(u >= 0 && (u > 0 || numel == 0) && (u == 0 || numel % u == 0))) {
+    if (!units_ok(numel, u)) {
       check_units(tensors, units, op);  // the message naming units[i]
       TORCH_CHECK(false, op, ": units[", i, "] = ", u, " does not divide tensors[", i, "]");
     }
@@ -209,9 +209,7 @@ void unit_scale_cpu(at::TensorList tensors, at::IntArrayRef units, const at::Ten
     for (int64_t i = 0; i < static_cast<int64_t>(tensors.size()) && next < static_cast<int64_t>(others.size()); ++i) {
       const int64_t u = units[i];
       if (i == others[next]) {
-        const auto& t = tensors[i];
-        const auto c = c_all.narrow(0, row, u).unsqueeze(1);
-        t.copy_((t.reshape({u, -1}).to(c_all.scalar_type()) * c).view(t.sizes()));
+        scale_units_with_aten_(tensors[i], u, row, c_all);
         ++next;
       }
       row += u;

@@ -1,4 +1,4 @@
-// Per-item CPU kernels of the clipping ops (issue 17), compiled once per instruction set: included
+// Per-item CPU kernels of the clipping ops, compiled once per instruction set: included
 // by kernels_default.cpp / kernels_avx2.cpp after kernels_impl.h, whose chunk reductions
 // (reduce_vectorized, count_nonfinite: the two passes of stats_math.h) they reuse per unit.
 #pragma once

@@ -9,8 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/chunk_plan.h"
-#include "../common/op_checks.h"
+#include "../common/engine.h"
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "stats_cpu.h"
@@ -173,10 +172,9 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
-  check_group(tensors, "gradfuse.multi_tensor_scale_", c10::DeviceType::CPU);
-  TORCH_CHECK(coef.numel() == 1 && coef.device().is_cpu(),
-              "gradfuse.multi_tensor_scale_: coef must be a one-element CPU tensor, got shape ",
-              coef.sizes(), " on ", coef.device());
+  constexpr const char* kOp = "gradfuse.multi_tensor_scale_";
+  check_group(tensors, kOp, c10::DeviceType::CPU);
+  check_scale_coef(tensors, coef, kOp);
   const double c = coef.item<double>();
   if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
 
