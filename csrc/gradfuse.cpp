@@ -39,7 +39,7 @@ TORCH_LIBRARY(gradfuse, m) {
 }
 
 namespace gradfuse::watch {
-void bind_list_walk(pybind11::module_& m);  // csrc/watch.cpp: gradfuse.api's walk (issue 18)
+void bind_list_walk(pybind11::module_& m);  // csrc/watch.cpp: gradfuse.api's walk
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -6,8 +6,8 @@
 // dtype, the row order of the result), and calls the registered ops through typed dispatcher
 // handles below the autograd keys: the custom ops have no autograd kernel, so a plain call would
 // take the boxed autograd fallback and box every tensor of the list. The total norm and the clip
-// coefficient are computed here with the same ATen ops as gradfuse/api.py, so results are
-// bitwise those of gradfuse.stats / gradfuse.clip_. Nothing here waits for the device.
+// coefficient are those of common/engine.h (the same ATen ops as gradfuse's Python side, so
+// results are bitwise those of gradfuse.stats / gradfuse.clip_). Nothing here waits for the device.
 //
 // Any difference from the plan (a gradient that became None or appeared, changed dtype or device,
 // is a tensor subclass or not dense) makes a call return "no match" without touching anything;
@@ -30,8 +30,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common/op_checks.h"
-#include "common/stats_math.h"
+#include "common/engine.h"
 #include "cpu/stats_cpu.h"
 
 namespace gradfuse::watch {
@@ -143,7 +142,7 @@ class ParamWatch : public torch::CustomClassHolder {
     at::Tensor floats, counts;
     if (!rows(norm_type, floats, counts)) return {};
     auto total = total_norm(floats, counts, norm_type);
-    auto coef = clip_coef(total, max_norm);
+    auto coef = gradfuse::clip_coef(total, max_norm);
     if (!scale(coef)) return {};  // nothing was touched
     return {floats, counts, total, coef};
   }
@@ -152,7 +151,7 @@ class ParamWatch : public torch::CustomClassHolder {
   // [clip_coef], or [] (nothing touched) on a mismatch.
   std::vector<at::Tensor> clip_to(const at::Tensor& total, double max_norm) {
     if (!absent_still_absent()) return {};
-    auto coef = clip_coef(total, max_norm);
+    auto coef = gradfuse::clip_coef(total, max_norm);
     if (!scale(coef)) return {};
     return {coef};
   }
@@ -323,34 +322,9 @@ class ParamWatch : public torch::CustomClassHolder {
     return {at::cat(floats), at::cat(counts)};
   }
 
-  // api._norm_accumulator and api._root, op for op, then the dtype clip_grad_norm_ returns.
+  // The total norm (common/engine.h) in the dtype clip_grad_norm_ returns.
   at::Tensor total_norm(const at::Tensor& floats, const at::Tensor& counts, double p) const {
-    at::Tensor acc;
-    if (p == 2.0) {
-      acc = floats.select(1, kSumSq).sum();
-    } else if (std::isinf(p)) {
-      acc = floats.size(0) ? floats.select(1, kMaxAbs).amax() : floats.new_zeros({});
-    } else if (p == 0.0) {
-      // As torch composes per-tensor norms: the count of gradients with a non-zero element.
-      acc = (counts.select(1, kNumel) - counts.select(1, kZeroCount)).gt(0).sum().to(at::kDouble);
-    } else {
-      acc = floats.select(1, kPowSum).sum();
-    }
-    at::Tensor total;
-    if (p == 2.0) {
-      total = acc.sqrt();
-    } else if (std::isinf(p) || p == 0.0 || p == 1.0) {
-      total = acc;
-    } else {
-      total = acc.pow(1.0 / p);
-    }
-    return total.to(result_dtype_);
-  }
-
-  // api._scale_to_max_norm: torch.clamp(max_norm / (total + 1e-6), max=1.0), where Python's
-  // `float / tensor` is `tensor.reciprocal() * float`; the scale runs only where it is < 1.
-  at::Tensor clip_coef(const at::Tensor& total, double max_norm) const {
-    return at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+    return gradfuse::total_norm(floats, counts, p).to(result_dtype_);
   }
 
   // Scales this step's gradients by `coef` where it is < 1 (the conditional scale op); false

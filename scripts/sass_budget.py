@@ -6,7 +6,8 @@ H200 (4.8 TB/s, about 33.5e12 thread-instructions/s) a 2-byte element may cost a
 instructions and a 4-byte element ~28 before the kernel is compute-bound; the budgets below keep
 a margin under that. This script disassembles the sm_90 SASS of a build (cuobjdump, from the pip
 package nvidia-cuda-cuobjdump or a CUDA toolkit), finds the steady-state loop of every
-stats_kernel instantiation itself, and prints instructions per element:
+instantiation of the stats kernel (multi_tensor_kernel<StatsOp<dtype, mode>, whole-tensor table>
+of csrc/cuda/kernels.cuh; stats_kernel in older builds) itself, and prints instructions per element:
 
   a loop = a backward branch and the instructions from its target up to it. The streaming loops
   are those with 16-byte global loads that hold no other such loop. The kernel streams its chunk
@@ -42,17 +43,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Instructions per element allowed in the steady-state loop of stats_kernel<dtype, PowMode::kNone>
-# on sm_90 (issue 9). fp64 moves 8 bytes per element and is reported without a budget.
+# Instructions per element allowed in the steady-state loop of the stats kernel (StatsOp<dtype,
+# PowMode::kNone>) on sm_90. fp64 moves 8 bytes per element and is reported without a budget.
 BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
 BUDGET_ARCH = "sm_90"
 
-# Itanium-mangled template arguments of gradfuse::cuda::stats_kernel<scalar_t, PowMode, Table>.
+# Itanium-mangled template arguments of the kernels: gradfuse::cuda::multi_tensor_kernel<Op, Table>
+# with Op = StatsOp<scalar_t, PowMode> / ScaleOp<scalar_t> / ClampOp<scalar_t> / HistOp<scalar_t>
+# and Table = LaunchTable<capacity, per-unit?>; older builds had one kernel per op
+# (stats_kernel<scalar_t, PowMode, Table>, unit_scale_kernel, clamp_kernel, hist_kernel).
 _DTYPES = {"N3c108BFloat16E": ("bf16", 2), "N3c104HalfE": ("fp16", 2), "f": ("fp32", 4), "d": ("fp64", 8)}
-_STATS_KERNEL = re.compile(r"(?<!unit_)stats_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
+_STATS_KERNEL = re.compile(r"(?:(?<!unit_)stats_kernel|StatsOp)I(N3c108BFloat16E|N3c104HalfE|f|d)LNS_7PowModeE(\d)E")
 _MODES = {"0": "none", "1": "abs", "2": "pow"}
 _TABLE = re.compile(r"LaunchTableILi(\d+)E")
-_KERNEL = re.compile(r"gradfuse4cuda\d+(\w+?_kernel)I")
+# A per-unit table (LaunchTable<capacity, true>): StatsOp there is the unit-statistics kernel.
+_UNIT_TABLE = re.compile(r"LaunchTableILi\d+ELb1E")
+_KERNEL = re.compile(r"gradfuse4cuda\d+(\w+?_kernel)I(?:NS0_\d+(\w+?Op)I)?")
 
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
@@ -62,7 +68,7 @@ _FMA = re.compile(r"^(?:@!?U?P\w+\s+)?[FD]FMA\b")
 
 # sm_90 (H100 / H200) limits, for blocks per SM.
 SM90 = {"regs": 65536, "threads": 2048, "blocks": 32, "reg_unit": 256}
-STATS_THREADS = 256  # kStatsThreads of stats_kernels.cuh
+STATS_THREADS = 256  # kThreads of csrc/cuda/multi_tensor.cuh
 
 
 @dataclasses.dataclass
@@ -191,7 +197,7 @@ def stats_kernel_loops(sass: str) -> list[KernelLoop]:
     result = []
     for name, instructions in split_functions(sass).items():
         m = _STATS_KERNEL.search(name)
-        if not m:
+        if not m or _UNIT_TABLE.search(name):
             continue
         dtype, elem_bytes = _DTYPES[m.group(1)]
         loop = steady_state_loop(instructions)
@@ -202,25 +208,28 @@ def stats_kernel_loops(sass: str) -> list[KernelLoop]:
     return sorted(result, key=lambda k: (order.index(k.dtype), k.mode, int(k.table) if k.table.isdigit() else 0))
 
 
-# The exponent-histogram kernel (issue 19): hist_kernel<scalar_t, Table>. Its pass-1 loop adds
+# The exponent-histogram kernel: HistOp<scalar_t> (hist_kernel<scalar_t, Table> in older builds). Its pass-1 loop adds
 # one shared atomic (ATOMS) per element; pass 2 (zeros, subnormals, Inf/NaN only) adds two. The
 # steady-state loop: among innermost loops of 16-byte loads, those with exactly one ATOMS per
 # element, the most loads per trip, then the most instructions. Same budgets as the stats
-# kernel (memory-bound on an H200 with a margin); fp64 is reported when found, unbudgeted.
+# kernel (memory-bound on an H200 with a margin); fp64 (8 bytes per element) has none and is
+# not reported.
 HIST_BUDGET = {"bf16": 8.0, "fp16": 8.0, "fp32": 10.0}
-_HIST_KERNEL = re.compile(r"hist_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)N")
+_HIST_KERNEL = re.compile(r"(?:hist_kernel|HistOp)I(N3c108BFloat16E|N3c104HalfE|f|d)[NE]")
 _ATOMS = re.compile(r"^(?:@!?U?P\w+\s+)?ATOMS\b")
 
 
 def hist_kernel_loops(sass: str) -> list[KernelLoop]:
-    """The pass-1 loop of every hist_kernel instantiation (mode "hist"); raises when a 2- or
-    4-byte instantiation has none (the rule above no longer describes the kernel)."""
+    """The pass-1 loop of every 2- or 4-byte histogram kernel instantiation (mode "hist"); raises
+    when one has none (the rule above no longer describes the kernel)."""
     result = []
     for name, instructions in split_functions(sass).items():
         m = _HIST_KERNEL.search(name)
         if not m:
             continue
         dtype, elem_bytes = _DTYPES[m.group(1)]
+        if dtype not in HIST_BUDGET:
+            continue
         streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
         inner = [lp for lp in streaming
                  if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
@@ -228,8 +237,6 @@ def hist_kernel_loops(sass: str) -> list[KernelLoop]:
                  == lp.loads16 * 16 // elem_bytes]
         loop = max(pass1, key=lambda lp: (lp.loads16, lp.instructions), default=None)
         if loop is None:
-            if dtype == "fp64":
-                continue
             raise ValueError(f"no pass-1 loop (16-byte loads, one ATOMS per element) found in {name}")
         result.append(KernelLoop(name, dtype, "hist", elem_bytes, loop))
     order = list(v[0] for v in _DTYPES.values())
@@ -307,18 +314,22 @@ def resource_report(res: dict[str, Resources], kernels: list[KernelLoop], arch: 
         kind = _KERNEL.search(name)
         if not kind:
             continue
+        kind_label = kind.group(2) or kind.group(1)
+        if kind.group(2) == "StatsOp" and _UNIT_TABLE.search(name):
+            kind_label = "StatsOp/unit"
         r, k = res[name], loops_by_name.get(name)
         table = _TABLE.search(name)
         label = f"{k.dtype}/{k.mode}" if k else ""
         blocks = blocks_per_sm(r.registers) if k else None
         flight = f"{blocks * STATS_THREADS * k.loop.loads16 * 16 / 1024:.0f}" if k else ""
-        lines.append(f"{kind.group(1):<16}{label:<11}{table.group(1) if table else '-':>6}{r.registers:>5}"
+        lines.append(f"{kind_label:<16}{label:<11}{table.group(1) if table else '-':>6}{r.registers:>5}"
                      f"{r.local_bytes:>8}{r.stack_bytes:>8}{r.param_bytes:>7}"
                      f"{blocks if blocks else '':>10}{flight:>16}")
     return "\n".join(lines)
 
 
-# ---- Issue 17: the clipping kernels' loops (clip_kernels.cuh). unit_scale_kernel must stay a
+# ---- The clipping kernels' loops: the scale (ScaleOp, on per-unit tables; unit_scale_kernel in
+# older builds) and the clamp (ClampOp; clamp_kernel). The scale must stay a
 # multiply and a store per element plus loop overhead; clamp_kernel reads and writes each element
 # once while accumulating its statistics. Their steady-state loop is the streaming loop (16-byte
 # loads AND 16-byte stores, holding no other) with the most loads per trip (the unrolled main
@@ -331,7 +342,8 @@ CLIP_BUDGET = {
     "unit_scale_kernel": {"bf16": 4.0, "fp16": 4.0, "fp32": 3.0, "fp64": 3.0},
     "clamp_kernel": {"bf16": 20.0, "fp16": 20.0, "fp32": 20.0},
 }
-_CLIP_KERNEL = re.compile(r"(unit_scale_kernel|clamp_kernel)I(N3c108BFloat16E|N3c104HalfE|f|d)")
+_CLIP_KERNEL = re.compile(r"(unit_scale_kernel|clamp_kernel|ScaleOp|ClampOp)I(N3c108BFloat16E|N3c104HalfE|f|d)")
+_CLIP_KIND = {"ScaleOp": "unit_scale_kernel", "ClampOp": "clamp_kernel"}
 _STORE16 = re.compile(r"^(?:@!?U?P\w+\s+)?STG\.E\.128\b")
 
 
@@ -353,7 +365,7 @@ class ClipLoop:
 
     @property
     def table(self) -> str:
-        m = re.search(r"UnitLaunchTableILi(\d+)E", self.kernel)
+        m = _TABLE.search(self.kernel)
         return m.group(1) if m else "-"
 
 
@@ -374,7 +386,7 @@ def clip_kernel_loops(sass: str) -> list[ClipLoop]:
             raise ValueError(f"no loop of 16-byte loads and stores found in {name}")
         most = max(lp.loads16 for lp in streaming)
         worst = max((lp for lp in streaming if lp.loads16 == most), key=lambda lp: lp.instructions)
-        result.append(ClipLoop(name, m.group(1), dtype, elem_bytes, worst))
+        result.append(ClipLoop(name, _CLIP_KIND.get(m.group(1), m.group(1)), dtype, elem_bytes, worst))
     order = list(v[0] for v in _DTYPES.values())
     return sorted(result, key=lambda k: (k.kind, order.index(k.dtype), int(k.table) if k.table.isdigit() else 0))
 
@@ -407,7 +419,7 @@ def main(argv=None) -> int:
         binary = Path(args.binary) if args.binary else default_binary()
         sass = disassemble(binary, args.arch)
         kernels = stats_kernel_loops(sass)
-        clip_kernels = clip_kernel_loops(sass)  # issue 17
+        clip_kernels = clip_kernel_loops(sass)
         hist_kernels = hist_kernel_loops(sass)
         res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:

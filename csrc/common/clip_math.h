@@ -1,4 +1,4 @@
-// Per-element arithmetic of the clipping ops (issue 17) shared by the CPU and CUDA backends; the
+// Per-element arithmetic of the clipping ops shared by the CPU and CUDA backends; the
 // scale itself is scale_element / needs_scaling of stats_math.h.
 #pragma once
 

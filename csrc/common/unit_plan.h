@@ -1,5 +1,5 @@
-// The work plan of the per-unit ops (issue 17: per-tensor / per-unit scale, unit statistics,
-// clamp), shared by the CPU and CUDA backends, free of ATen.
+// The work plan of the per-unit ops (per-tensor / per-unit scale, unit statistics, clamp),
+// shared by the CPU and CUDA backends, free of ATen.
 //
 // A tensor of numel elements with `units` units is `units` equal consecutive blocks of
 // unit_len = numel / units elements (units = size(0) of a weight: one unit per output row, timm's

@@ -1,6 +1,7 @@
-// CPU implementations of the clipping ops of issue 17 (schemas in gradfuse.cpp):
-// multi_tensor_unit_stats, multi_tensor_unit_scale_ and multi_tensor_clamp_, over the unit plan
-// of common/unit_plan.h (units of 1 give the chunk plan of the stats op).
+// CPU implementations of the per-unit ops (schemas in gradfuse.cpp): multi_tensor_unit_stats,
+// multi_tensor_unit_scale_, multi_tensor_clamp_ and multi_tensor_scale_ (the per-unit scale with
+// one unit per tensor), over the unit plan of common/unit_plan.h (units of 1 give the chunk plan
+// of the stats op).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -9,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/unit_ops.h"
+#include "../common/engine.h"
 #include "clip_kernels.h"
 #include "cpu_capability.h"
 
@@ -91,6 +92,9 @@ std::tuple<at::Tensor, at::Tensor> unit_stats_cpu(at::TensorList tensors, at::In
 // stats_cpu.cpp: waking the pool costs more than it saves.
 constexpr int64_t kMinScaleBytesPerThread = 1 << 20;
 
+void run_unit_scale(const std::vector<UnitSpan>& spans, const UnitPlan& plan, at::ScalarType dtype,
+                    const void* coefs, bool conditional, int64_t bytes);
+
 // Whether any of coefs[row, row + u) makes the conditional scale touch memory.
 template <typename acc_t>
 bool any_needs_scaling(const acc_t* c, int64_t row, int64_t u) {
@@ -142,7 +146,7 @@ void read_scale_inputs(at::TensorList tensors, at::IntArrayRef units, const acc_
       TORCH_CHECK(false, op, ": tensors[", i, "] is not a dense ", dtype, " tensor on ", device);
     }
     const int64_t numel = t.numel(), u = units[i];
-    if (!(u >= 0 && (u > 0 || numel == 0) && (u == 0 || numel % u == 0))) {
+    if (!units_ok(numel, u)) {
       check_units(tensors, units, op);  // the message naming units[i]
       TORCH_CHECK(false, op, ": units[", i, "] = ", u, " does not divide tensors[", i, "]");
     }
@@ -209,19 +213,42 @@ void unit_scale_cpu(at::TensorList tensors, at::IntArrayRef units, const at::Ten
     for (int64_t i = 0; i < static_cast<int64_t>(tensors.size()) && next < static_cast<int64_t>(others.size()); ++i) {
       const int64_t u = units[i];
       if (i == others[next]) {
-        const auto& t = tensors[i];
-        const auto c = c_all.narrow(0, row, u).unsqueeze(1);
-        t.copy_((t.reshape({u, -1}).to(c_all.scalar_type()) * c).view(t.sizes()));
+        scale_units_with_aten_(tensors[i], u, row, c_all);
         ++next;
       }
       row += u;
     }
   }
+  run_unit_scale(spans, plan, first.scalar_type(), coefs_acc.const_data_ptr(), conditional, bytes);
+}
+
+// multi_tensor_scale_: every tensor one unit, all with the one coefficient, read here (the
+// conditional scale touches nothing when it is >= 1, NaN excepted).
+void scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
+  constexpr const char* kOp = "gradfuse.multi_tensor_scale_";
+  check_group(tensors, kOp, c10::DeviceType::CPU);
+  check_scale_coef(tensors, coef, kOp);
+  const double c = coef.item<double>();
+  if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
+  const auto dense = scale_non_dense_(tensors, coef);
+  if (dense.empty()) return;
+  const UnitGroup group(dense, std::vector<int64_t>(dense.size(), 1));
+  const auto dtype = dense[0].scalar_type();
+  const auto coefs = at::full({group.total_units}, c, at::dtype(partial_dtype(dtype)));
+  int64_t elems = 0;
+  for (const UnitSpan& s : group.spans) elems += s.numel;
+  run_unit_scale(group.spans, group.plan, dtype, coefs.const_data_ptr(), /*conditional=*/false,
+                 2 * elems * static_cast<int64_t>(c10::elementSize(dtype)));
+}
+
+// The per-unit scale kernels over `plan` (`bytes`: read and written), on the calling thread when
+// the pool would not pay.
+void run_unit_scale(const std::vector<UnitSpan>& spans, const UnitPlan& plan, at::ScalarType dtype,
+                    const void* c, bool conditional, int64_t bytes) {
   const int64_t num_items = plan.num_items();
   if (num_items == 0) return;
-  const UnitArgs args{spans.data(), &plan, first.scalar_type()};
+  const UnitArgs args{spans.data(), &plan, dtype};
   const auto kern = clip_kernels_for(active_cpu_capability());
-  const void* c = coefs_acc.const_data_ptr();
   const int64_t grain = std::max<int64_t>(
       1, (num_items * kMinScaleBytesPerThread + bytes - 1) / std::max<int64_t>(bytes, 1));
   if (num_items <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
@@ -278,6 +305,7 @@ TORCH_LIBRARY_IMPL(gradfuse, CPU, m) {
   m.impl("multi_tensor_unit_stats", &unit_stats_cpu);
   m.impl("multi_tensor_unit_scale_", &unit_scale_cpu);
   m.impl("multi_tensor_clamp_", &clamp_cpu);
+  m.impl("multi_tensor_scale_", &scale_cpu);
 }
 
 }  // namespace gradfuse::cpu

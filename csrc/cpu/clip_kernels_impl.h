@@ -1,4 +1,4 @@
-// Per-item CPU kernels of the clipping ops (issue 17), compiled once per instruction set: included
+// Per-item CPU kernels of the clipping ops, compiled once per instruction set: included
 // by kernels_default.cpp / kernels_avx2.cpp after kernels_impl.h, whose chunk reductions
 // (reduce_vectorized, count_nonfinite: the two passes of stats_math.h) they reuse per unit.
 #pragma once
@@ -48,7 +48,7 @@ void unit_stats_dispatch(const UnitArgs& args, PowMode mode, double p, int64_t b
   }
 }
 
-// x[0, n) *= c, vectorised as scale_chunks; the tail with scale_element.
+// x[0, n) *= c, vectorised; the tail with scale_element.
 template <typename scalar_t>
 void scale_span(scalar_t* x, int64_t n, acc_of<scalar_t> c) {
   using acc_t = acc_of<scalar_t>;

@@ -1,7 +1,7 @@
-// The exponent histogram's chunk kernels for AVX2 CPUs (issue 19), chosen at run time by
+// The exponent histogram's chunk kernels for AVX2 CPUs, chosen at run time by
 // hist_cpu.cpp (cpu_capability "avx2"); the default loop in hist_cpu.cpp stays for other CPUs.
 // Where the CPU also has AVX512BW, AVX512_BITALG and GFNI, the same chunk driver counts its
-// window with count_block512 (64 elements per step) instead of count_block (session 6).
+// window with count_block512 (64 elements per step) instead of count_block.
 //
 // The default loop costs one read-modify-write of a counter per element (~1.2 ns per element
 // on the 2-core EPYC VM, about twice a read of the same bytes for 2-byte dtypes). Gradients put
@@ -426,9 +426,9 @@ GF_HIST_AVX2 void histogram_chunk(const char* x, int64_t n, int32_t* out, HistHo
   if (out[L::kLowRow] != 0 || out[L::kHighRow] != 0) exact_pass<L>(x, n, out);
 }
 
-// Eight hot fields (count_block's eight counters): 12 and 16, measured in session 5 as the
-// eight largest counts anywhere, cost ~1.5x on uniform and constant values and were no faster on
-// randn * 1e-3; a window of eight then replaced them (session 6: 1.4-2.1x faster on bf16, one thread).
+// Eight hot fields (count_block's eight counters): 12 and 16, measured as the eight largest
+// counts anywhere, cost ~1.5x on uniform and constant values and were no faster on randn * 1e-3;
+// a window of eight replaced them (1.4-2.1x faster on bf16, one thread).
 constexpr int kHot = 8;
 static_assert(kHot <= kMaxHot, "the carry holds the hot fields");
 

@@ -10,7 +10,7 @@
 // taken in turn break the chain; they are summed at the end of the chunk. (No SIMD: AVX2 has no
 // scatter, and the row arithmetic is 2 of the ~4 instructions per element.) This loop is the
 // "default" CPU capability's; on AVX2 CPUs hist_avx2.cpp counts the few hot exponent fields in
-// vector registers instead (session 5, benchmarks/RESULTS.md), for float32 / bfloat16 / float16.
+// vector registers instead (benchmarks/RESULTS.md), for float32 / bfloat16 / float16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,7 +21,7 @@
 
 #include "../common/chunk_plan.h"
 #include "../common/hist_math.h"
-#include "../common/op_checks.h"
+#include "../common/engine.h"
 #include "cpu_capability.h"
 #include "hist_kernels.h"
 

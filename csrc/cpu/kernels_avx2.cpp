@@ -20,5 +20,5 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "kernels_impl.h"
-#include "clip_kernels_impl.h"  // issue 17: the clipping kernels, same instruction set
+#include "clip_kernels_impl.h"  // the clipping kernels, same instruction set
 #endif

@@ -2,4 +2,4 @@
 #define CPU_CAPABILITY DEFAULT
 #define CPU_CAPABILITY_DEFAULT
 #include "kernels_impl.h"
-#include "clip_kernels_impl.h"  // issue 17: the clipping kernels, same instruction set
+#include "clip_kernels_impl.h"  // the clipping kernels, same instruction set

@@ -1,8 +1,7 @@
-// What the .cu files share: the kernel launch (with its error check) that the glue headers
-// (stats_ops.h, clip_ops.h, hist_ops.h) expect as GRADFUSE_LAUNCH, and the Device they are
-// templated on for the GPU: guard, current stream, allocation and the op names errors cite.
-// The emulated tests (tests/cuda_emu/emu_ops.cpp) supply their own launch and Device instead.
-// Include before any of the glue headers.
+// What ops_cuda.cu gives the glue of ops.h: the kernel launch (with its error check) expected as
+// GRADFUSE_LAUNCH, and the Device it is templated on for the GPU: guard, current stream,
+// allocation and the op names errors cite. The emulated tests (tests/cuda_emu/emu_ops.cpp)
+// supply their own launch and Device instead. Include before ops.h.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -24,6 +23,7 @@ struct Gpu {
   static constexpr const char* kUnitStatsOp = "gradfuse.multi_tensor_unit_stats";
   static constexpr const char* kUnitScaleOp = "gradfuse.multi_tensor_unit_scale_";
   static constexpr const char* kClampOp = "gradfuse.multi_tensor_clamp_";
+  static constexpr const char* kHistOp = "gradfuse.multi_tensor_exponent_histogram";
   using Guard = c10::cuda::CUDAGuard;
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
   static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts) { return at::empty(sizes, opts); }

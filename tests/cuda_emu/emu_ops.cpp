@@ -1,8 +1,7 @@
-// The emulated CUDA backend, for tests: torch.ops.gradfuse_emu.multi_tensor_stats and
-// multi_tensor_scale_ take CPU tensors and run the ops' glue (csrc/cuda/stats_ops.h) and the real
-// kernels (csrc/cuda/stats_kernels.cuh) through the CUDA emulation of cuda_emu.h. Built on demand
-// by the tests (tests/cuda_emu/__init__.py), with csrc/ (or a planted-bug copy of it) on the
-// include path.
+// The emulated CUDA backend, for tests: torch.ops.gradfuse_emu.* take CPU tensors and run the ops'
+// glue (csrc/cuda/ops.h) and the real kernels (csrc/cuda/kernels.cuh, csrc/cuda/multi_tensor.cuh)
+// through the CUDA emulation of cuda_emu.h. Built on demand by the tests
+// (tests/cuda_emu/__init__.py), with csrc/ (or a planted-bug copy of it) on the include path.
 //
 // gradfuse_emu.selftest(name) runs small kernels that check the emulator itself: the semantics of
 // shuffles, votes, barriers and atomics, and that divergent warp operations, deadlocks and invalid
@@ -17,9 +16,7 @@
 #include "cuda_emu.h"
 
 #define GRADFUSE_LAUNCH(kernel, grid, block, stream, ...) ::cuda_emu::launch(kernel, grid, block, __VA_ARGS__)
-#include "cuda/stats_ops.h"
-#include "cuda/clip_ops.h"  // issue 17: the clipping ops
-#include "cuda/hist_ops.h"
+#include "cuda/ops.h"
 
 namespace gradfuse::cuda {
 namespace {
@@ -28,6 +25,10 @@ struct Emulated {
   static constexpr c10::DeviceType kType = c10::DeviceType::CPU;
   static constexpr const char* kStatsOp = "gradfuse_emu.multi_tensor_stats";
   static constexpr const char* kScaleOp = "gradfuse_emu.multi_tensor_scale_";
+  static constexpr const char* kUnitStatsOp = "gradfuse_emu.multi_tensor_unit_stats";
+  static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
+  static constexpr const char* kClampOp = "gradfuse_emu.multi_tensor_clamp_";
+  static constexpr const char* kHistOp = "gradfuse_emu.multi_tensor_exponent_histogram";
   struct Guard {
     explicit Guard(c10::Device) {}
   };
@@ -38,16 +39,6 @@ struct Emulated {
     return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), opts);
   }
 };
-
-// Issue 17: the clipping ops on the same emulated device.
-struct EmulatedClip : Emulated {
-  static constexpr const char* kUnitStatsOp = "gradfuse_emu.multi_tensor_unit_stats";
-  static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
-  static constexpr const char* kClampOp = "gradfuse_emu.multi_tensor_clamp_";
-};
-at::Tensor emulated_exponent_histogram(at::TensorList tensors) {
-  return multi_tensor_exponent_histogram_on<Emulated>(tensors, "gradfuse_emu.multi_tensor_exponent_histogram");
-}
 
 }  // namespace
 }  // namespace gradfuse::cuda
@@ -131,20 +122,21 @@ TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
   m.def("selftest(str name) -> Tensor", &selftest::run);
   m.def("max_tensors_per_launch() -> int", []() -> int64_t { return gradfuse::cuda::kMaxTensorsPerLaunch; });
-  // Issue 17: the clipping ops and their launch-table sizes.
+  // The per-unit ops and their launch-table sizes.
   m.def("multi_tensor_unit_stats(Tensor[] tensors, int[] units, float norm_type) -> (Tensor, Tensor)");
   m.def("multi_tensor_unit_scale_(Tensor(a!)[] tensors, int[] units, Tensor coefs, bool conditional=True) -> ()");
   m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float clip_value) -> (Tensor, Tensor, Tensor)");
   m.def("unit_table_sizes() -> int[]", []() -> std::vector<int64_t> {
-    return {gradfuse::cuda::kSmallUnitTableTensors, gradfuse::cuda::kMaxUnitTensorsPerLaunch};
+    return {gradfuse::cuda::kSmallTableTensors, gradfuse::cuda::kMaxUnitTensorsPerLaunch};
   });
 }
 
 TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
-  m.impl("multi_tensor_stats", &gradfuse::cuda::multi_tensor_stats_on<gradfuse::cuda::Emulated>);
-  m.impl("multi_tensor_scale_", &gradfuse::cuda::multi_tensor_scale_on<gradfuse::cuda::Emulated>);
-  m.impl("multi_tensor_unit_stats", &gradfuse::cuda::multi_tensor_unit_stats_on<gradfuse::cuda::EmulatedClip>);
-  m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<gradfuse::cuda::EmulatedClip>);
-  m.impl("multi_tensor_clamp_", &gradfuse::cuda::multi_tensor_clamp_on<gradfuse::cuda::EmulatedClip>);
-  m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::emulated_exponent_histogram);
+  using gradfuse::cuda::Emulated;
+  m.impl("multi_tensor_stats", &gradfuse::cuda::multi_tensor_stats_on<Emulated>);
+  m.impl("multi_tensor_scale_", &gradfuse::cuda::multi_tensor_scale_on<Emulated>);
+  m.impl("multi_tensor_unit_stats", &gradfuse::cuda::multi_tensor_unit_stats_on<Emulated>);
+  m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<Emulated>);
+  m.impl("multi_tensor_clamp_", &gradfuse::cuda::multi_tensor_clamp_on<Emulated>);
+  m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::multi_tensor_exponent_histogram_on<Emulated>);
 }

@@ -20,11 +20,11 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 import cuda_emu  # noqa: E402
 
-KERNELS = "cuda/stats_kernels.cuh"
+KERNELS = "cuda/multi_tensor.cuh"
 
-# (name, regex whose first match in stats_kernels.cuh is replaced, replacement, sanitized run?,
-#  tests to run, evidence expected in the output). The regexes match the stats kernel's code
-# before its scale kernel's, and keep matching when the kernels are reorganised.
+# (name, regex whose first match in multi_tensor.cuh is replaced, replacement, sanitized run?,
+#  tests to run, evidence expected in the output). The regexes match the launcher's one traversal
+# and block reduction, which every op uses, and keep matching when the kernels are reorganised.
 BUGS = [
     ("misaligned 16-byte load",  # the 16-byte path taken for any element-aligned pointer
      r"reinterpret_cast<uintptr_t>\(x\) % sizeof\(P\) == 0",

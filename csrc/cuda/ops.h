@@ -1,0 +1,172 @@
+// The ATen side of the CUDA ops (input checks, allocation, device guard, stream) around the
+// launches of kernels.cuh, written once for two devices: the GPU (the .cu files) and the CUDA
+// emulation that runs the same kernels on CPU tensors in the tests (tests/cuda_emu). A Device
+// supplies:
+//   kType            the tensors' device type
+//   kStatsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp
+//                    the ops' names, for error messages
+//   Guard            constructed from the tensors' device (the GPU's CUDAGuard)
+//   stream()         the stream to launch on
+//   empty(sizes, o)  allocation of results and partials (the emulation poisons them, so a kernel
+//                    that leaves a row unwritten fails the tests)
+// Include after defining GRADFUSE_LAUNCH.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "../common/engine.h"
+#include "kernels.cuh"
+
+namespace gradfuse::cuda {
+
+inline std::tuple<at::Tensor, at::Tensor> no_rows() {
+  return {at::empty({0, kNumFloatStats}, at::dtype(at::kDouble)), at::empty({0, kNumCountStats}, at::dtype(at::kLong))};
+}
+
+// Statistics rows of a group (DenseGroup: per tensor; UnitGroup: per unit), `rows` of them.
+template <typename Device, typename Group>
+std::tuple<at::Tensor, at::Tensor> stats_rows(const Group& group, const at::Tensor& first, int64_t rows,
+                                              int64_t part_rows, double norm_type) {
+  const auto opts = first.options();
+  const auto dtype = first.scalar_type();
+  auto part_f = Device::empty({std::max<int64_t>(part_rows, 1), kNumFloatStats}, opts.dtype(partial_dtype(dtype)));
+  auto part_c = Device::empty({std::max<int64_t>(part_rows, 1), kNumCountStats}, opts.dtype(at::kLong));
+  auto out_f = Device::empty({rows, kNumFloatStats}, opts.dtype(at::kDouble));
+  auto out_c = Device::empty({rows, kNumCountStats}, opts.dtype(at::kLong));
+  const auto stream = Device::stream();
+  dispatch_float(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_stats<scalar_t>(group.spans, group.plan, pow_mode_for(norm_type), norm_type,
+                           static_cast<acc_of<scalar_t>*>(part_f.data_ptr()), part_c.template data_ptr<int64_t>(),
+                           out_f.template data_ptr<double>(), out_c.template data_ptr<int64_t>(), stream);
+  });
+  return {out_f, out_c};
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_on(at::TensorList tensors, double norm_type) {
+  check_group(tensors, Device::kStatsOp, Device::kType);
+  if (tensors.empty()) return no_rows();
+  const typename Device::Guard guard(tensors[0].device());
+  const DenseGroup group(tensors);
+  return stats_rows<Device>(group, tensors[0], static_cast<int64_t>(tensors.size()), group.plan.num_chunks(), norm_type);
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unit_stats_on(at::TensorList tensors, at::IntArrayRef units,
+                                                              double norm_type) {
+  check_group(tensors, Device::kUnitStatsOp, Device::kType);
+  const int64_t total = check_units(tensors, units, Device::kUnitStatsOp);
+  if (tensors.empty()) return no_rows();
+  const typename Device::Guard guard(tensors[0].device());
+  const UnitGroup group(tensors, units);
+  return stats_rows<Device>(group, tensors[0], total, group.plan.num_prows(), norm_type);
+}
+
+// The units of `group` times coefs_acc (acc type, on the device; coef_stride 0: one for all).
+template <typename Device>
+void scale_group(const UnitGroup& group, at::ScalarType dtype, const at::Tensor& coefs_acc, int64_t coef_stride,
+                 bool conditional) {
+  if (group.plan.num_items() == 0) return;
+  const auto stream = Device::stream();
+  dispatch_float(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_scale<scalar_t>(group.spans, group.plan, static_cast<const acc_of<scalar_t>*>(coefs_acc.data_ptr()),
+                           coef_stride, conditional, stream);
+  });
+}
+
+template <typename Device>
+void multi_tensor_scale_on(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
+  check_group(tensors, Device::kScaleOp, Device::kType);
+  check_scale_coef(tensors, coef, Device::kScaleOp);
+  if (tensors.empty()) return;
+  const typename Device::Guard guard(tensors[0].device());
+  const auto dtype = tensors[0].scalar_type();
+  const auto coef_acc = coef.reshape({}).to(partial_dtype(dtype));  // no-op when it matches
+  // Deciding for the other views would need the host; multiplying them by min(coef, 1) is exact
+  // when coef >= 1.
+  const auto dense = scale_non_dense_(tensors, conditional ? at::clamp_max(coef_acc, 1.0) : coef_acc);
+  if (dense.empty()) return;
+  // Every tensor is one unit, all of them with the one coefficient.
+  const UnitGroup group(dense, std::vector<int64_t>(dense.size(), 1));
+  scale_group<Device>(group, dtype, coef_acc, 0, conditional);
+}
+
+template <typename Device>
+void multi_tensor_unit_scale_on(at::TensorList tensors, at::IntArrayRef units, const at::Tensor& coefs,
+                                bool conditional) {
+  check_group(tensors, Device::kUnitScaleOp, Device::kType);
+  const int64_t total = check_units(tensors, units, Device::kUnitScaleOp);
+  if (tensors.empty()) return;
+  const typename Device::Guard guard(tensors[0].device());
+  const auto coefs_acc = checked_coefs(coefs, total, tensors[0], Device::kUnitScaleOp);
+  // The views the kernels cannot take are scaled by ATen with min(coef, 1) (exact when >= 1).
+  const UnitGroup group = scale_units_elsewhere_(tensors, units, conditional ? at::clamp_max(coefs_acc, 1.0) : coefs_acc);
+  scale_group<Device>(group, tensors[0].scalar_type(), coefs_acc, 1, conditional);
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_tensor_clamp_on(at::TensorList tensors, double clip_value) {
+  check_group(tensors, Device::kClampOp, Device::kType);
+  check_clip_value(clip_value, Device::kClampOp);
+  const auto n = static_cast<int64_t>(tensors.size());
+  if (n == 0) {
+    auto [f, c] = no_rows();
+    return {f, c, at::empty({0}, at::dtype(at::kLong))};
+  }
+  const typename Device::Guard guard(tensors[0].device());
+  const auto opts = tensors[0].options();
+  // Neither a clamp nor statistics depend on the order: any dense tensor is a span; the others
+  // are clamped in a contiguous copy, copied back.
+  std::vector<at::Tensor> dense;
+  dense.reserve(n);
+  for (const auto& t : tensors) dense.push_back(as_dense(t));
+  const UnitGroup group(dense, std::vector<int64_t>(n, 1));
+  const auto dtype = tensors[0].scalar_type();
+  const int64_t part_rows = std::max<int64_t>(group.plan.num_prows(), 1);
+  auto part_f = Device::empty({part_rows, kNumFloatStats}, opts.dtype(partial_dtype(dtype)));
+  auto part_c = Device::empty({part_rows, kNumCountStats}, opts.dtype(at::kLong));
+  auto part_clamped = Device::empty({part_rows}, opts.dtype(at::kLong));
+  auto out_f = Device::empty({n, kNumFloatStats}, opts.dtype(at::kDouble));
+  auto out_c = Device::empty({n, kNumCountStats}, opts.dtype(at::kLong));
+  auto clamped = Device::empty({n}, opts.dtype(at::kLong));
+  const auto stream = Device::stream();
+  dispatch_float(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_clamp<scalar_t>(group.spans, group.plan, clip_value, static_cast<acc_of<scalar_t>*>(part_f.data_ptr()),
+                           part_c.template data_ptr<int64_t>(), part_clamped.template data_ptr<int64_t>(),
+                           out_f.template data_ptr<double>(), out_c.template data_ptr<int64_t>(),
+                           clamped.template data_ptr<int64_t>(), stream);
+  });
+  for (int64_t i = 0; i < n; ++i) {
+    if (!dense[i].is_same(tensors[i])) tensors[i].copy_(dense[i]);
+  }
+  return {out_f, out_c, clamped};
+}
+
+template <typename Device>
+at::Tensor multi_tensor_exponent_histogram_on(at::TensorList tensors) {
+  check_group(tensors, Device::kHistOp, Device::kType);
+  const auto n = static_cast<int64_t>(tensors.size());
+  if (n == 0) return at::zeros({0, kNumHistBins}, at::dtype(at::kLong));
+  const typename Device::Guard guard(tensors[0].device());
+  const auto opts = tensors[0].options().dtype(at::kLong);
+  const DenseGroup group(tensors);
+  auto part = Device::empty({std::max<int64_t>(group.plan.num_chunks(), 1), kNumHistBins}, opts);
+  auto out = Device::empty({n, kNumHistBins}, opts);
+  const auto stream = Device::stream();
+  dispatch_float(tensors[0].scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_histogram<scalar_t>(group.spans, group.plan, part.template data_ptr<int64_t>(),
+                               out.template data_ptr<int64_t>(), stream);
+  });
+  return out;
+}
+
+}  // namespace gradfuse::cuda
