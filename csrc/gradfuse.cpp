@@ -21,7 +21,7 @@ TORCH_LIBRARY(gradfuse, m) {
   // conditional=True (clipping) only when coef < 1 or NaN, touching no memory otherwise; the
   // decision is taken on the device. conditional=False always multiplies (AMP unscale + clip).
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
-  // Issue 17 (clipping beyond one global norm): tensor i as units[i] equal consecutive blocks
+  // Clipping beyond one global norm: tensor i as units[i] equal consecutive blocks
   // (common/unit_plan.h). Rows of multi_tensor_stats per unit, [sum(units), 4] each.
   m.def("multi_tensor_unit_stats(Tensor[] tensors, int[] units, float norm_type) -> (Tensor, Tensor)");
   // Unit j of tensor i times its coefficient (coefs: 1-D, sum(units) entries, on the device);

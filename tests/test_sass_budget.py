@@ -97,7 +97,7 @@ def test_built_stats_kernels_within_instruction_budget():
     assert not sass_budget.over_budget(kernels), report
 
 
-# ---- Issue 17: the clipping kernels (clip_kernels.cuh)
+# ---- The clipping functors (per-unit stats, scale, clamp; csrc/cuda/kernels.cuh)
 SCALE_FP32 = "_ZN8gradfuse4cuda17unit_scale_kernelIfNS0_15UnitLaunchTableILi64EEEEvT0_PKfb"
 
 
@@ -145,7 +145,7 @@ def test_built_clip_kernels_within_instruction_budget():
     assert scale["fp32"] <= 2.0 and scale["bf16"] <= 4.0, report  # a multiply and a store per element
 
 
-# ---- Issue 19: the exponent histogram kernel (hist_kernels.cuh)
+# ---- The exponent histogram functor (csrc/cuda/kernels.cuh)
 HIST_BF16 = "_ZN8gradfuse4cuda11hist_kernelIN3c108BFloat16ENS0_11LaunchTableILi64EEEEEvT0_Pl"
 
 

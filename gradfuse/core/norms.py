@@ -1,7 +1,7 @@
 """The arithmetic of norms, in one place: a norm of order p from the per-tensor rows of the
 fused op (its power sums, max |x|, counts), the total norm of several tensors, and
 torch.nn.utils' clip coefficient. The C++ side has the same arithmetic once, in
-csrc/common/norm_math.h.
+csrc/common/engine.h.
 
 Layer: core, at its bottom. Imports ``gradfuse.ops.layout`` only.
 """

@@ -1,5 +1,5 @@
-"""The CUDA backend without a GPU: the real kernels of csrc/cuda/stats_kernels.cuh and the glue of
-csrc/cuda/stats_ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu, compared column by
+"""The CUDA backend without a GPU: the real stats and scale functors of csrc/cuda/kernels.cuh, the
+launcher of csrc/cuda/multi_tensor.cuh and the glue of csrc/cuda/ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu, compared column by
 column with the CPU backend and with the float64 reference.
 
 The first run builds the emulated backend (about 40 s, cached in build/cuda_emu/).

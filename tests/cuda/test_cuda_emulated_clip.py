@@ -1,5 +1,6 @@
-"""The CUDA clipping kernels of issue 17 without a GPU: csrc/cuda/clip_kernels.cuh and the glue of
-csrc/cuda/clip_ops.h run on the CPU by the CUDA emulation of tests/cuda_emu (see
+"""The CUDA clipping kernels without a GPU: the per-unit stats, scale and clamp functors of
+csrc/cuda/kernels.cuh, the launcher of csrc/cuda/multi_tensor.cuh and the glue of csrc/cuda/ops.h,
+run on the CPU by the CUDA emulation of tests/cuda_emu (see
 test_cuda_emulated.py), compared with the float64 reference and with the CPU backend: per-unit
 statistics, per-unit / per-tensor scale (bitwise) and the one-pass clamp (bitwise, with the
 statistics before clamping and the clamped counts). test_clip_grid_under_sanitizers runs this file

@@ -1,4 +1,5 @@
-"""The CUDA exponent-histogram kernels (csrc/cuda/hist_kernels.cuh, glue csrc/cuda/hist_ops.h) run
+"""The CUDA exponent-histogram functor (csrc/cuda/kernels.cuh, launched by csrc/cuda/multi_tensor.cuh,
+glue csrc/cuda/ops.h) run
 on the CPU by the CUDA emulation of tests/cuda_emu, compared bin by bin with the torch.frexp
 reference and with the CPU backend: every dtype, subnormals, zeros, +-inf, NaN, sizes across
 chunk boundaries, many tensors (several launch tables), misaligned views, and the
