@@ -20,8 +20,8 @@ from gradfuse.ops.layout import INF, NAN
 
 
 def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
-                 group=None, what: str = "gradient", *, slow_path: bool = False,
-                 elementwise_zero_norm: bool = False, rows: bool = True) -> GradStats:
+                group=None, what: str = "gradient", *, slow_path: bool = False,
+                elementwise_zero_norm: bool = False, rows: bool = True) -> GradStats:
     """One fused pass per (sharding layout, device, dtype) group; rows of the result follow the
     returned names (grouped: the order of ``tensors`` when there is one group). DTensor rows are
     reduced over their sharded mesh dimensions; with ``group`` the total norm and the non-finite
@@ -107,7 +107,7 @@ def layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple,
     return sharded.layout_groups(names, tensors, layouts, what, slow_path)
 
 
-def raise_nonfinite(s: GradStats) -> None:
+def _raise_nonfinite(s: GradStats) -> None:
     bad = s.nonfinite_names()
     detail = ""
     if bad:
@@ -154,13 +154,18 @@ def scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float) 
 
 
 def raise_if_nonfinite(s: GradStats) -> None:
+    """torch.nn.utils' error for a non-finite total norm, naming the parameters whose gradient
+    holds NaN or Inf (or saying the norm overflowed). Reads the total: one host sync, as torch."""
     total = s.plain_total_norm
-    if torch.logical_or(total.isnan(), total.isinf()):  # syncs, as torch
-        raise_nonfinite(s)
+    if torch.logical_or(total.isnan(), total.isinf()):
+        _raise_nonfinite(s)
 
 
 def clip_total_norm_(names, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool,
-          group=None, slow_path: bool = False, rows: bool = True) -> GradStats:
+                     group=None, slow_path: bool = False, rows: bool = True) -> GradStats:
+    """Clipping by total norm on the functional path: the fused statistics of ``grads``, the
+    error for a non-finite total when asked, then the conditional scale; returns the statistics
+    from before clipping with ``clip_coef``."""
     s = fused_stats(names, grads, norm_type, group, slow_path=slow_path, rows=rows)
     if grads and error_if_nonfinite:
         raise_if_nonfinite(s)
