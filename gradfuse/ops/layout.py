@@ -7,19 +7,9 @@ columns ``SUM``, ``SUMSQ``, ``MAXABS``, ``POWSUM`` (sum |x|^p for orders other t
 min |x| for -inf on the per-tensor path), and int64 ``[n, 4]`` with ``NAN``, ``INF``, ``ZERO``,
 ``NUMEL``.
 
-Exponent histograms (``NUM_BINS`` = 283 per tensor, the same for every dtype):
-
-====================  =====================================================================
-bin                   elements
-====================  =====================================================================
-0  (``BIN_BELOW``)    finite, non-zero, ``|x| < 2**-149`` (float64 tensors only)
-1  (``BIN_ZERO``)     ``+0`` and ``-0``
-``e + 151``           ``floor(log2|x|) == e`` for ``e`` in [-149, 127]: bins 2 .. 278 (the
-                      exponents of float32 and bfloat16, subnormals included; float16 uses
-                      -24 .. 15)
-279 (``BIN_ABOVE``)   finite, ``|x| >= 2**128`` (float64 tensors only)
-280, 281, 282         ``+inf``, ``-inf``, NaN
-====================  =====================================================================
+Exponent histograms: ``NUM_BINS`` = 283 bins per tensor, the same for every dtype; bin
+``e + EXPONENT_OFFSET`` counts the elements with ``floor(log2|x|) == e`` (the table of every bin
+is in ``gradfuse.numerics.histogram``).
 """
 SUM, SUMSQ, MAXABS, POWSUM = range(4)
 NAN, INF, ZERO, NUMEL = range(4)
