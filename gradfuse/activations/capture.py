@@ -436,7 +436,19 @@ class ActivationCapture:
 
     # -- hooks ---------------------------------------------------------------------------------
     def arm(self) -> "ActivationCapture":
-        """Registers the hooks (the ``with`` block does this)."""
+        """Registers the hooks (the ``with`` block does this). Arming twice does nothing.
+
+        Returns:
+            This capture.
+
+        Example:
+            ```python
+            cap = gradfuse.capture_activations(model).arm()
+            model(x).sum().backward()
+            cap.disarm()
+            print(cap.forward.table(top=5))
+            ```
+        """
         if self._armed:
             return self
         self._armed = True
@@ -651,7 +663,12 @@ class ActivationCapture:
         (the output holding it), ``nan``, ``inf``, and for backward ``gradient_of`` (the module
         output whose gradient first held it) and ``entered`` (True when no watched module's
         backward ran before it: the non-finite gradient came from the loss or from code outside
-        the watched modules)."""
+        the watched modules).
+
+        Returns:
+            None, or ``{"kind", "module", "row", "nan", "inf"}`` (and for backward
+                ``"gradient_of"``, ``"entered"``).
+        """
         if "origin" in self._cache:
             return self._cache["origin"]
         fwd, bwd = self._nonfinite_rows()
@@ -685,7 +702,18 @@ class ActivationCapture:
         return None if o is None else (o["kind"], o["module"])
 
     def describe_nonfinite(self) -> str | None:
-        """The origin in words (None when everything was finite)."""
+        """The origin in words (None when everything was finite).
+
+        Returns:
+            A sentence naming the module where the first NaN / Inf appeared, or None.
+
+        Example:
+            ```python
+            with gradfuse.capture_activations(model, trace_nonfinite=True) as cap:
+                model(x).sum().backward()
+            print(cap.describe_nonfinite())
+            ```
+        """
         o = self.nonfinite_origin()
         if o is None:
             return None

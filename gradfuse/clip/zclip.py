@@ -36,6 +36,45 @@ class ZClip:
     After each step ``last_total_norm``, ``last_threshold`` (inf where nothing clips) and
     ``last_clip_coef`` are device tensors; ``state_dict()`` / ``load_state_dict()`` carry the
     state (GradMonitor includes it in its own).
+
+    Args:
+        alpha: The EMA coefficient of mean and variance, in [0, 1].
+        z_thresh: The z-score above which a norm is a spike; > 0.
+        max_grad_norm: A cap on the threshold (and the only clip during warm-up), a
+            non-negative number; None (default, unlike zclip): no cap.
+        eps: Added to the standard deviation in the z-score.
+        warmup_steps: Steps whose norms initialise mean and variance; >= 0.
+        mode: ``"zscore"`` or ``"percentile"`` (case-insensitive).
+        clip_option: With ``mode="zscore"``: ``"adaptive_scaling"`` or ``"mean"``; ignored (None)
+            with ``"percentile"``.
+        clip_factor: The factor of the ``"adaptive_scaling"`` threshold; > 0.
+        skip_update_on_spike: Leave mean and variance unchanged on a spike.
+
+    Attributes:
+        steps (int): Steps taken (a host counter: warm-up is known without reading the device).
+        last_total_norm (torch.Tensor | None): The latest step's total norm before clipping.
+        last_threshold (torch.Tensor | None): The latest step's threshold (inf where nothing
+            clips).
+        last_clip_coef (torch.Tensor | None): The latest step's clip coefficient (at most 1).
+
+    Raises:
+        ValueError: ``mode`` not ``"zscore"`` / ``"percentile"``; ``clip_option`` not
+            ``"mean"`` / ``"adaptive_scaling"`` in zscore mode; ``alpha`` outside [0, 1];
+            ``z_thresh`` or ``clip_factor`` not > 0; ``max_grad_norm`` negative or NaN;
+            ``warmup_steps`` < 0.
+
+    Example:
+        ```python
+        zc = gradfuse.ZClip(alpha=0.97, z_thresh=2.5, max_grad_norm=1.0)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            total = zc.step(model)           # clips in place; a 0-d device tensor
+            optimizer.step()
+            optimizer.zero_grad()
+
+        # or as the monitor's threshold
+        monitor = gradfuse.GradMonitor(model, max_norm=gradfuse.ZClip())
+        ```
     """
 
     def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, max_grad_norm: float | None = None,
@@ -79,14 +118,17 @@ class ZClip:
 
     @property
     def initialized(self) -> bool:
+        """The warm-up is over: mean and variance are initialised (host-known, no sync)."""
         return self.steps >= max(self.warmup_steps, 1)
 
     @property
     def mean(self) -> torch.Tensor | None:
+        """The EMA mean of the norms, a 0-d device tensor (None before the first step)."""
         return self._mean
 
     @property
     def var(self) -> torch.Tensor | None:
+        """The EMA variance of the norms, a 0-d device tensor (None before the first step)."""
         return self._var
 
     def __repr__(self) -> str:
@@ -106,7 +148,26 @@ class ZClip:
 
     def clip_coef(self, total_norm: torch.Tensor) -> torch.Tensor:
         """Takes one step of the state for this total norm; returns the coefficient (float64,
-        0-d, at most 1) the gradients are to be multiplied by. No host sync."""
+        0-d, at most 1) the gradients are to be multiplied by. No host sync.
+
+        Sets ``last_total_norm``, ``last_threshold`` and ``last_clip_coef``; the gradients are
+        not touched (``step`` scales them).
+
+        Args:
+            total_norm: The gradients' total L2 norm, a 0-d tensor (on the device).
+
+        Returns:
+            The clip coefficient: a 0-d tensor on ``total_norm``'s device (float64, or float32
+                on a device without float64), at most 1.
+
+        Example:
+            ```python
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            coef = zc.clip_coef(gradfuse.get_total_norm(grads))
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+            ```
+        """
         g = total_norm.detach().reshape(())
         g = g.to(ops.stats_dtype(g.device))
         self._state_on(g.device)
@@ -160,7 +221,22 @@ class ZClip:
     def step(self, model) -> torch.Tensor:
         """zclip's ``step``: call after ``loss.backward()``, before ``optimizer.step()``. Clips the
         gradients of ``model`` (a module, or an iterable of parameters) in place; returns their
-        total L2 norm before clipping as a 0-d device tensor (no host sync)."""
+        total L2 norm before clipping as a 0-d device tensor (no host sync).
+
+        Args:
+            model: A module, or an iterable of parameters (its parameters are resolved once
+                per object: passing the same object every step reuses them).
+
+        Returns:
+            The total L2 norm before clipping, a 0-d device tensor.
+
+        Example:
+            ```python
+            loss.backward()
+            total = zc.step(model)
+            optimizer.step()
+            ```
+        """
         if self._watch is None or self._watch[0] is not model:
             self._watch = (model, GradWatch(model))
         w = self._watch[1]
@@ -176,7 +252,17 @@ class ZClip:
         return s.total_norm
 
     def state_dict(self) -> dict:
-        """The configuration, the host step count and the device state (tensors, not read)."""
+        """The configuration, the host step count and the device state (tensors, not read).
+
+        Returns:
+            A dict: ``steps``, ``buffer`` (the warm-up norms), ``mean``, ``var`` (tensors or
+                None) and ``config`` (the constructor's arguments).
+
+        Example:
+            ```python
+            torch.save({"zclip": zc.state_dict()}, "ckpt.pt")
+            ```
+        """
         return {"steps": self.steps, "buffer": self._buffer, "mean": self._mean, "var": self._var,
                 "config": {"alpha": self.alpha, "z_thresh": self.z_thresh,
                            "max_grad_norm": self.max_grad_norm, "eps": self.eps,
@@ -185,6 +271,23 @@ class ZClip:
                            "skip_update_on_spike": self.skip_update_on_spike}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``: the step count and the device state (as float64 copies).
+
+        The other settings of ``config`` are not applied: this ZClip keeps its own.
+
+        Args:
+            state: A dict from ``state_dict``.
+
+        Raises:
+            ValueError: ``state`` was saved with a different ``warmup_steps``.
+            KeyError: ``state`` has no ``steps``.
+
+        Example:
+            ```python
+            zc = gradfuse.ZClip(max_grad_norm=1.0)
+            zc.load_state_dict(torch.load("ckpt.pt")["zclip"])
+            ```
+        """
         cfg = state.get("config", {})
         if cfg.get("warmup_steps", self.warmup_steps) != self.warmup_steps:
             raise ValueError(f"gradfuse.ZClip.load_state_dict: saved with warmup_steps="

@@ -106,8 +106,24 @@ class NoiseScale:
             used from the second one on).
 
     Use it through ``GradMonitor(..., noise_scale=True)`` (or ``noise_scale=NoiseScale(...)``),
-    or on its own::
+    or on its own (see the example).
 
+    Attributes:
+        batch_size (float): Examples per micro-batch (1.0 when not given: in micro-batches).
+        beta (float): The EMA coefficient.
+        accumulation (str): ``"mean"`` or ``"sum"``.
+        accumulation_steps (int | None): Micro-batches per optimizer step, when given.
+        updates (int): Steps that offered a pair of norms (a non-finite pair is not averaged in).
+        extra_passes (int): Fused passes over the gradients taken for the first micro-batches.
+        bucket_passes (int): Fused passes over DDP buckets in the communication hook.
+        ddp_model: The ``DistributedDataParallel`` model whose hook is installed, or None.
+
+    Raises:
+        ValueError: ``batch_size`` not > 0, ``beta`` outside [0, 1), ``accumulation`` not
+            ``"mean"`` / ``"sum"``, or ``accumulation_steps`` < 1.
+
+    Example:
+        ```python
         ns = gradfuse.NoiseScale(batch_size=32, accumulation_steps=4)
         for step in range(steps):
             for micro in range(4):
@@ -116,6 +132,7 @@ class NoiseScale:
             ns.step(model)                    # the accumulated gradient's norm (a fused pass)
             opt.step(); opt.zero_grad()
         print(ns.values())                    # {"noise_scale", "G2", "trSigma"}: 0-d device tensors
+        ```
     """
 
     def __init__(self, batch_size: float | None = None, *, beta: float = 0.99,
@@ -159,7 +176,18 @@ class NoiseScale:
         """Says a micro-batch's backward has finished. On the first micro-batch of a step that
         accumulates, takes its gradients' squared norm (one fused pass over ``source``: a module,
         parameters, or a ``gradfuse.watch`` handle). Under DDP with ``register_ddp`` it
-        only counts (the hook measures)."""
+        only counts (the hook measures).
+
+        Args:
+            source: What holds the gradients: an ``nn.Module``, parameters, ``(name,
+                parameter)`` pairs, or a ``gradfuse.watch`` handle.
+
+        Example:
+            ```python
+            loss.backward()
+            ns.after_backward(model)
+            ```
+        """
         self._micro += 1
         if self._micro == 1 and self._ddp_group is None and self._expects_accumulation():
             self._g2_first = _squared_norm_of(source)
@@ -169,7 +197,22 @@ class NoiseScale:
         """Installs the communication hook on a ``DistributedDataParallel`` model (before its first
         backward): each bucket's local squared norm, then DDP's default all-reduce. With gradient
         accumulation use ``ddp_model.no_sync()`` on all micro-batches but the last (Lightning and
-        accelerate do), so the last round's buckets hold the accumulated local gradients."""
+        accelerate do), so the last round's buckets hold the accumulated local gradients.
+
+        Args:
+            ddp_model: The ``torch.nn.parallel.DistributedDataParallel`` model.
+            process_group: The process group of the all-reduce; None: the model's own.
+
+        Raises:
+            RuntimeError: from DDP, when the model already has a communication hook.
+
+        Example:
+            ```python
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ns = gradfuse.NoiseScale(batch_size=32)
+            ns.register_ddp(ddp)
+            ```
+        """
         import torch.distributed as dist
         group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
         self._ddp_group = group
@@ -178,7 +221,14 @@ class NoiseScale:
         self.ddp_model = ddp_model
 
     def skip_step(self) -> None:
-        """Forgets this step's measurements (a skipped step: its gradients are not averaged in)."""
+        """Forgets this step's measurements (a skipped step: its gradients are not averaged in).
+
+        Example:
+            ```python
+            if report.skip:
+                ns.skip_step()
+            ```
+        """
         self._last_micro = self._micro or self._last_micro
         self._micro = 0
         self._g2_first = None
@@ -190,7 +240,27 @@ class NoiseScale:
         """Ends an optimizer step: ``g2`` is the squared norm of the gradient about to be applied
         (accumulated, all-reduced; else taken from ``source`` by a fused pass). ``loss_scale``: a
         GradScaler's scale when the micro-batch / bucket norms were taken on scaled gradients while
-        ``g2`` is unscaled. Returns whether this step offered a pair of norms (host-known)."""
+        ``g2`` is unscaled. Returns whether this step offered a pair of norms (host-known).
+
+        The step's measurements are then reset (as ``skip_step`` does). Under DDP it runs one
+        all-reduce of one scalar (the local norms), on every rank.
+
+        Args:
+            source: What holds the gradients (as ``after_backward`` takes), used when ``g2`` is
+                None.
+            g2: The squared norm of the gradient about to be applied, a 0-d tensor.
+            loss_scale: The GradScaler's scale, when the micro-batch / bucket norms were taken
+                on scaled gradients while ``g2`` is unscaled.
+
+        Returns:
+            Whether this step offered a pair of norms (and was averaged in unless non-finite).
+
+        Example:
+            ```python
+            if ns.step(model):
+                print(ns.host_values())
+            ```
+        """
         k = max(self._micro, 1)
         local, first = self._ddp_local, self._g2_first
         self.skip_step()  # resets the per-step measurements
@@ -227,7 +297,22 @@ class NoiseScale:
     # --- the estimator -------------------------------------------------------------------------
     def update(self, g2_small: torch.Tensor, g2_big: torch.Tensor, b_small: float, b_big: float) -> None:
         """Averages in one pair of squared norms of mean gradients at batch sizes ``b_small`` <
-        ``b_big`` (0-d tensors, any device; no host sync). A non-finite pair is not averaged in."""
+        ``b_big`` (0-d tensors, any device; no host sync). A non-finite pair is not averaged in.
+
+        Args:
+            g2_small: The squared norm of the mean gradient at batch size ``b_small``.
+            g2_big: The squared norm of the mean gradient at batch size ``b_big``.
+            b_small: The smaller batch size.
+            b_big: The larger batch size.
+
+        Raises:
+            ValueError: unless ``0 < b_small < b_big``.
+
+        Example:
+            ```python
+            ns.update(g2_micro, g2_accumulated, b_small=32, b_big=128)
+            ```
+        """
         if not b_big > b_small > 0:
             raise ValueError(f"gradfuse.NoiseScale: need 0 < b_small < b_big, got {b_small}, {b_big}")
         g2_small = torch.as_tensor(g2_small, dtype=torch.float64)
@@ -249,14 +334,23 @@ class NoiseScale:
     def values(self) -> dict[str, torch.Tensor] | None:
         """``{"noise_scale", "G2", "trSigma"}``: the debiased EMAs of |G|^2 and tr(Sigma) and their
         ratio B_simple (0-d float64 device tensors; NaN until a pair was averaged in). None before
-        any step offered a pair."""
+        any step offered a pair.
+
+        Returns:
+            ``{"noise_scale": ..., "G2": ..., "trSigma": ...}`` (device tensors), or None.
+        """
         if self._ema is None:
             return None
         est = self._ema / self._weight  # 0/0 = NaN until something was averaged in
         return {"noise_scale": est[1] / est[0], "G2": est[0], "trSigma": est[1]}
 
     def host_values(self) -> dict[str, float] | None:
-        """``values`` as Python numbers (one transfer)."""
+        """``values`` as Python numbers (one transfer).
+
+        Returns:
+            ``{"noise_scale": ..., "G2": ..., "trSigma": ...}`` as floats, or None before any
+                step offered a pair.
+        """
         v = self.values()
         if v is None:
             return None
@@ -265,12 +359,25 @@ class NoiseScale:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The EMA state (as Python numbers, so it is saved anywhere) and the settings."""
+        """The EMA state (as Python numbers, so it is saved anywhere) and the settings.
+
+        Returns:
+            A dict: ``ema`` (three numbers, or None), ``updates``, ``last_micro``, ``beta``,
+                ``batch_size``, ``accumulation``.
+        """
         ema = None if self._ema is None else torch.cat([self._ema, self._weight.reshape(1)]).tolist()
         return {"ema": ema, "updates": self.updates, "last_micro": self._last_micro,
                 "beta": self.beta, "batch_size": self.batch_size, "accumulation": self.accumulation}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``'s EMA state and counts (the settings stay this estimator's).
+
+        Args:
+            state: A dict from ``state_dict``.
+
+        Raises:
+            ValueError: ``state["ema"]`` is not None nor three numbers.
+        """
         ema = state.get("ema")
         if ema is None:
             self._ema = self._weight = None

@@ -86,6 +86,34 @@ class GradfuseCallback(Callback):
     is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
     (manual optimization) each gets a monitor; their logger metrics are prefixed
     ``optimizer_{i}/``. The monitors' counters and step numbers are saved in checkpoints.
+
+    Step numbers are Lightning's (the batches that stepped), so the statistics share the loss
+    curve's x-axis; the metric names are ``gradfuse.sinks.metrics``'s (see the Data reference
+    page).
+
+    Attributes:
+        monitors (dict[int, GradMonitor]): The monitors, by optimizer index (made during the
+            fit; ``monitor`` is the first optimizer's).
+        last_report (StepReport | None): The latest step's report.
+        max_norm: The clip threshold in use (the Trainer's ``gradient_clip_val`` when taken).
+        sinks (list): The further sinks.
+
+    Raises:
+        TypeError: ``every``, ``scaler``, ``optimizer`` or ``start_step`` in ``monitor_kwargs``
+            (the callback sets them).
+        ImportError: ``lightning`` is not installed (``pip install lightning``), on importing
+            ``gradfuse.integrations.lightning``.
+
+    Example:
+        ```python
+        import lightning as L
+        from gradfuse.integrations.lightning import GradfuseCallback
+
+        trainer = L.Trainer(gradient_clip_val=1.0, log_every_n_steps=50,
+                            callbacks=[GradfuseCallback(explode_threshold=1e4,
+                                                        sinks=[gradfuse.JsonlSink("run.jsonl")])])
+        trainer.fit(model)
+        ```
     """
 
     def __init__(self, max_norm: float | None = None, *, sinks=(), **monitor_kwargs):

@@ -119,7 +119,28 @@ def named_optimizer_params(optimizers, model: nn.Module | None = None) -> list[t
 class Attachment:
     """What ``gradfuse.attach`` returns. ``monitor`` is the ``GradMonitor`` (counters,
     ``state_dict()``), ``last_report`` the latest ``StepReport``; ``detach`` undoes
-    the attachment (also as a context manager)."""
+    the attachment (also as a context manager).
+
+    Made by ``gradfuse.attach``, not directly.
+
+    Attributes:
+        monitor (GradMonitor): The monitor that runs before each ``optimizer.step()``.
+        last_report (StepReport | None): The latest step's report (None before the first).
+        optimizers (list): The attached optimizers.
+        scaler: The ``GradScaler`` in use (given, or accelerate's under fp16), or None.
+
+    Example:
+        ```python
+        with gradfuse.attach(optimizer, model, max_norm=1.0) as handle:
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if handle.last_report.skip:
+                    print("skipped:", handle.last_report.message)
+        print(handle.monitor.counters())
+        ```
+    """
 
     def __init__(self, optimizers: list, model: nn.Module | None, scaler, monitor_kwargs: dict):
         self.optimizers = optimizers
@@ -222,13 +243,45 @@ class Attachment:
             self._in_scaler_step = None
 
     def state_dict(self) -> dict:
+        """The monitor's ``state_dict`` (step number, counters, ZClip and noise scale state):
+        save it with the training checkpoint.
+
+        Returns:
+            ``GradMonitor.state_dict()``.
+        """
         return self.monitor.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the monitor's state (``GradMonitor.load_state_dict``).
+
+        Args:
+            state: A dict from ``state_dict``.
+
+        Raises:
+            KeyError: ``state`` lacks the step number or a counter.
+            ValueError: ``state`` comes from a newer gradfuse (or a mismatched ZClip).
+
+        Example:
+            ```python
+            handle = gradfuse.attach(optimizer, model, max_norm=1.0)
+            handle.load_state_dict(torch.load("ckpt.pt")["gradfuse"])
+            ```
+        """
         self.monitor.load_state_dict(state)
 
     def detach(self) -> None:
-        """Restores ``optimizer.step`` (and ``scaler.step``); the monitor's sinks are closed."""
+        """Restores ``optimizer.step`` (and ``scaler.step``); the monitor's sinks are closed.
+
+        Also removes the backward hooks of the noise scale, and logs the last step if it was
+        not logged (``GradMonitor.close``). Leaving the ``with`` block calls it.
+
+        Example:
+            ```python
+            handle = gradfuse.attach(optimizer, model, max_norm=1.0)
+            train()
+            handle.detach()
+            ```
+        """
         for gate in self._gates:
             gate.remove()
         self._gates = []
@@ -255,16 +308,8 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
            model: nn.Module | None = None, *, scaler=None, **monitor_kwargs) -> Attachment:
     """Runs a ``GradMonitor`` (statistics, clip, policies, logging) right before every
     ``optimizer.step()``; a step the policy skips is not taken at all (no parameter, momentum,
-    weight-decay or step-count update), as ``GradScaler`` skips one. The loop does not change::
-
-        handle = gradfuse.attach(optimizer, model, max_norm=1.0, every=100,
-                                 on_nonfinite="skip", explode_threshold=1e4, on_explode="skip",
-                                 sinks=[gradfuse.JsonlSink("run.jsonl")])
-        for x, y in loader:
-            loss_fn(model(x), y).backward()
-            optimizer.step()          # gradfuse runs here first
-            optimizer.zero_grad()
-        handle.detach()
+    weight-decay or step-count update), as ``GradScaler`` skips one. The loop does not change
+    (see the example).
 
     Args:
         optimizer: one optimizer, or several that step the same model: the monitor runs before
@@ -290,6 +335,30 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
             ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on
             its modules).
+
+    Returns:
+        The handle: ``monitor``, ``last_report``, ``state_dict()``, ``detach()``
+            (also a context manager).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or a non-empty list of
+            them), or ``monitor_kwargs`` sets ``optimizer``, ``model`` or ``module`` (attach
+            sets them itself).
+        RuntimeError: an optimizer already has a gradfuse step gate (detach the first
+            attachment before attaching again).
+        ValueError: a bad monitor argument (see ``GradMonitor``).
+
+    Example:
+        ```python
+        handle = gradfuse.attach(optimizer, model, max_norm=1.0, every=100,
+                                 on_nonfinite="skip", explode_threshold=1e4, on_explode="skip",
+                                 sinks=[gradfuse.JsonlSink("run.jsonl")])
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()          # gradfuse runs here first
+            optimizer.zero_grad()
+        handle.detach()
+        ```
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):

@@ -42,7 +42,33 @@ class GradfuseCallback(TrainerCallback):
     so records and log lines share its x-axis. On each training log (``logging_steps``) the
     statistics of the latest update are added to the logs (``grad/total_norm``,
     ``grad_l2/<layer>``, the clipped / skipped / non-finite counters, ...) and written to
-    ``sinks``; anomalies are written to ``sinks`` when they happen.
+    ``sinks``; anomalies are written to ``sinks`` when they happen. The metric names are
+    ``gradfuse.sinks.metrics``'s (see the Data reference page). The monitor's state is saved
+    in the Trainer's checkpoints (``trainer_state.json``) and restored on resume.
+
+    Args:
+        trainer: The ``transformers.Trainer``.
+        max_norm: As ``attach``'s.
+        sinks: Further sinks, written on the main process only.
+        **monitor_kwargs: As ``attach``'s.
+
+    Attributes:
+        monitor (GradMonitor | None): The monitor (made at ``on_train_begin``).
+        last_report (StepReport | None): The latest update's report.
+        trainer: The Trainer.
+
+    Raises:
+        TypeError: ``every``, ``scaler``, ``optimizer`` or ``start_step`` in ``monitor_kwargs``
+            (the callback sets them).
+
+    Example:
+        ```python
+        from gradfuse.integrations.transformers import attach
+
+        callback = attach(trainer, explode_threshold=1e4)
+        trainer.train()
+        print(callback.monitor.counters())
+        ```
     """
 
     def __init__(self, trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs):
@@ -192,7 +218,9 @@ class GradfuseCallback(TrainerCallback):
 
     def detach(self) -> None:
         """Undoes what ``on_train_begin`` changed: the step gate, the norm call, the
-        Trainer's ``max_grad_norm``."""
+        Trainer's ``max_grad_norm``; also removes any activation hook still armed. Called at
+        the end of ``train()``; the sinks stay open (``close`` closes them).
+        """
         if self._gate is not None:
             self._gate.remove()
             self._gate = None
@@ -211,7 +239,15 @@ class GradfuseCallback(TrainerCallback):
             self._trainer_max_grad_norm = None
 
     def close(self) -> None:
-        """Detaches and closes the sinks."""
+        """Detaches and closes the sinks (``GradMonitor.close``: the last step is logged first).
+
+        Example:
+            ```python
+            callback = attach(trainer, sinks=[gradfuse.JsonlSink("run.jsonl")])
+            trainer.train()
+            callback.close()
+            ```
+        """
         self.detach()
         if self.monitor is not None:
             self.monitor.close()
@@ -223,6 +259,7 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
     statistics in the logs. Returns the callback.
 
     Args:
+        trainer: The ``transformers.Trainer``, before ``train()``.
         max_norm: clip by total norm: a number, a schedule (callable of the step) or a
             ``gradfuse.ZClip``; None (default): the Trainer's ``max_grad_norm``. The Trainer
             itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``), also when
@@ -234,6 +271,25 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             Trainer's optimizer; ``noise_scale=True`` counts the micro-batches of gradient
             accumulation, in examples of ``per_device_train_batch_size``; the activation hooks go
             on ``trainer.model`` for the updates the Trainer logs.
+
+    Returns:
+        The callback (``monitor``, ``last_report``, ``close()``).
+
+    Raises:
+        TypeError: ``every``, ``scaler``, ``optimizer`` or ``start_step`` in ``monitor_kwargs``.
+        ImportError: ``transformers`` is not installed (``pip install transformers``), on
+            importing ``gradfuse.integrations.transformers``.
+
+    Example:
+        ```python
+        from gradfuse.integrations.transformers import attach
+
+        trainer = Trainer(model=model, args=TrainingArguments(..., max_grad_norm=1.0), ...)
+        callback = attach(trainer, explode_threshold=1e4,
+                          sinks=[gradfuse.JsonlSink("run.jsonl")])
+        trainer.train()
+        callback.close()
+        ```
     """
     callback = GradfuseCallback(trainer, max_norm, sinks=sinks, **monitor_kwargs)
     callbacks = trainer.callback_handler.callbacks

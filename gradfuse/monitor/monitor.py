@@ -40,7 +40,28 @@ STATE_VERSION = 1
 COUNTERS = ("skipped_steps", "anomaly_steps", "nonfinite_steps", "explode_steps", "amp_overflow_steps")
 
 class GradientAnomaly(RuntimeError):
-    """Raised by the ``"raise"`` policy; ``report`` holds the step's ``StepReport``."""
+    """Raised by ``GradMonitor.step`` under the ``"raise"`` policy (``on_nonfinite="raise"`` or
+    ``on_explode="raise"``); a ``RuntimeError``.
+
+    The message names the anomaly and the parameters at fault. The step's record is written to
+    the sinks (as an event) before the exception is raised.
+
+    Args:
+        message: The anomaly message (``report.message``).
+        report: The step's ``StepReport``.
+
+    Attributes:
+        report (StepReport): The step's ``StepReport`` (``anomalies``, ``stats``, ``message``).
+
+    Example:
+        ```python
+        monitor = gradfuse.GradMonitor(model, on_nonfinite="raise")
+        try:
+            monitor.step()
+        except gradfuse.GradientAnomaly as e:
+            print(e.report.anomalies, e.report.message)
+        ```
+    """
 
     def __init__(self, message: str, report: "StepReport"):
         super().__init__(message)
@@ -51,11 +72,33 @@ class GradientAnomaly(RuntimeError):
 class StepReport:
     """What ``GradMonitor.step`` saw and decided.
 
-    ``skip`` says to skip this optimizer step (the ``"skip"`` policy fired; gradients are left
-    as they were, unclipped, for inspection). ``stats`` is the step's ``GradStats`` (device
-    tensors; reading them syncs). ``anomalies`` names what fired: ``"nonfinite"``,
-    ``"explode"``, or ``"amp_overflow"`` (a GradScaler step with Inf/NaN gradients: the scaler
-    skips it and lowers its scale; not counted as an anomaly of the model).
+    Attributes:
+        step (int): The step number (``GradMonitor.step_count`` before the step).
+        stats (GradStats | None): The step's ``GradStats`` (device tensors; reading them
+            syncs). None when the monitor is disabled (``enabled=False``).
+        skip (bool): Skip this optimizer step: the ``"skip"`` policy fired; gradients are left as
+            they were, unclipped, for inspection.
+        logged (bool): The step's record was written to the sinks.
+        anomalies (list[str]): What fired: ``"nonfinite"``, ``"explode"``, ``"max_norm"`` (a bad
+            ``max_norm`` schedule value), or ``"amp_overflow"`` (a GradScaler step with Inf/NaN
+            gradients: the scaler skips it and lowers its scale; not counted as an anomaly of
+            the model).
+        message (str): The anomaly message naming the parameters at fault (``""`` when none).
+        activations (ActivationCapture | None): With ``activations=True``: the step's
+            ``ActivationCapture`` on the steps it was armed for (``cap.forward`` /
+            ``cap.backward``); else None.
+        first_nonfinite (tuple[str, str] | None): With ``trace_nonfinite=True``, on a step with
+            non-finite gradients: ``("forward" | "backward", module)``, where the first NaN / Inf
+            appeared; else None.
+
+    Example:
+        ```python
+        report = monitor.step()
+        if not report.skip:
+            optimizer.step()
+        if report.anomalies:
+            print(report.step, report.anomalies, report.message)
+        ```
     """
     step: int
     stats: GradStats | None = None
@@ -90,6 +133,8 @@ class GradMonitor:
             element counts.
         agc: adaptive gradient clipping with this ``clip_factor`` (as
             ``gradfuse.adaptive_clip_grad_``, ``eps=agc_eps``, of order ``norm_type``).
+        agc_eps: the ``eps`` of ``agc``: the smallest weight norm a unit is measured against
+            (non-negative; see ``gradfuse.adaptive_clip_grad_``).
         check_double_clip: warn once when the gradients were changed in place between the
             backward and the monitor's clip (someone else clipped them too).
         norm_type: order of the total norm.
@@ -146,7 +191,59 @@ class GradMonitor:
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
 
-    Sinks never stop training: see ``write`` for what happens when one raises.
+    Sinks never stop training: see ``write`` for what happens when one raises. What the sinks
+    get (the record's keys, the metric names) is listed on the Data reference page.
+
+    Attributes:
+        step_count (int): The number the next ``step`` gets (``start_step`` at first; restored
+            by ``load_state_dict``).
+        skipped_steps (int): Steps a policy skipped.
+        anomaly_steps (int): Steps with an anomaly of the model (an ``amp_overflow`` alone is
+            the scaler's, not counted here).
+        nonfinite_steps (int): Steps with a NaN or Inf gradient (under an enabled GradScaler
+            these are ``amp_overflow_steps`` instead; not checked when both policies are
+            ``"ignore"`` and neither a scaler nor ``trace_nonfinite`` needs the check).
+        explode_steps (int): Steps whose total norm exceeded ``explode_threshold``.
+        amp_overflow_steps (int): GradScaler steps with Inf/NaN gradients (the scaler's to skip).
+        sinks (list): The sinks, in the order given; see ``sink_health``.
+        max_norm: The clip threshold as given: None, a number, a schedule or a ``ZClip``.
+        norm_type (float): The order of the total norm.
+        every (int): The logging interval in steps (0: never).
+        on_nonfinite (str): The policy for non-finite gradients.
+        on_explode (str): The policy for explosions (``"ignore"`` without ``explode_threshold``).
+        explode_threshold (float | None): The explosion threshold.
+        sink_ranks (int | str): Which ranks write (a rank number or ``"all"``).
+        scaler: The ``GradScaler``, or None.
+        optimizer: The optimizer of the fused AMP unscale, or None.
+        enabled (bool): False: ``step`` does nothing.
+        dynamics: The noise scale and update ratios (``gradfuse.monitor.dynamics``), or None.
+
+    Raises:
+        ValueError: an argument is out of range: ``on_nonfinite`` / ``on_explode`` not one of
+            ``"raise"``, ``"skip"``, ``"warn"``, ``"ignore"``; ``explode_threshold`` not > 0;
+            ``every`` < 0; ``max_norm`` or ``clip_value`` negative or NaN, ``norm_type`` NaN;
+            ``per`` not None, ``"param"`` or ``"layer"``; a bad ``agc`` / ``agc_eps``; more than
+            one of ``max_norm``, ``clip_value`` and ``agc``; ``per`` without a numeric (or
+            schedule) ``max_norm``; ``sink_ranks`` neither a rank number nor ``"all"``;
+            ``optimizer`` without ``scaler``; ``activations`` / ``trace_nonfinite`` without an
+            ``nn.Module`` (``model`` or ``module``), on a model compiled with ``torch.compile``,
+            or with an ``activation_modules`` name that the model does not have.
+        TypeError: ``activation_modules`` holds something other than module names or modules.
+
+    Example:
+        ```python
+        monitor = gradfuse.GradMonitor(model, max_norm=1.0, every=100,
+                                       explode_threshold=1e4, on_explode="skip",
+                                       sinks=[gradfuse.JsonlSink("run.jsonl")])
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            report = monitor.step()        # statistics, clip, policies, logging
+            if not report.skip:
+                optimizer.step()
+            optimizer.zero_grad()
+        monitor.close()                    # logs the last step, closes the sinks
+        print(monitor.counters())
+        ```
     """
 
     def __init__(self, model, *, max_norm: float | None = None, norm_type: float = 2.0,
@@ -228,35 +325,72 @@ class GradMonitor:
                 self._act_hooks.arm(full=self.every > 0 and start_step % self.every == 0)
 
     def arm_activations(self, full: bool = True) -> None:
-        """Arms the activation hooks for the coming forward and backward (an integration that
-        decides per step whether it logs calls this before the step; ``step`` arms by ``every``)."""
+        """Arms the activation hooks for the coming forward and backward.
+
+        An integration that decides per step whether it logs calls this before the step;
+        ``step`` arms by ``every``. Does nothing without ``activations`` / ``trace_nonfinite``
+        or when the monitor is disabled.
+
+        Args:
+            full: True: the full statistics (with ``activations=True``); False: only the
+                non-finite counts when ``trace_nonfinite=True``, else no hook. A full capture
+                already armed stays.
+
+        Example:
+            ```python
+            monitor.arm_activations(full=will_log_this_step)
+            loss_fn(model(x), y).backward()
+            monitor.step(log=will_log_this_step)
+            ```
+        """
         if self._act_hooks is not None and self.enabled:
             self._act_hooks.arm(full)
 
     def disarm_activations(self) -> None:
-        """Removes the activation hooks armed for a coming step (an integration ending its run)."""
+        """Removes the activation hooks armed for a coming step (an integration ending its run).
+
+        Does nothing when none are armed.
+
+        Example:
+            ```python
+            monitor.disarm_activations()   # no hook outlives the run
+            ```
+        """
         if self._act_hooks is not None:
             self._act_hooks.take()
 
     @property
     def watches_activations(self) -> bool:
-        """Whether the monitor arms activation hooks (``activations=`` or ``trace_nonfinite=``)."""
+        """Whether the monitor arms activation hooks (``activations=`` or ``trace_nonfinite=``): a bool."""
         return self._act_hooks is not None
 
     @property
     def clipped_steps(self) -> int:
-        """Steps on which clipping scaled the gradients (reads a device counter)."""
+        """Steps on which clipping scaled the gradients, an int (reads a device counter: one
+        host sync), including those restored by ``load_state_dict``."""
         return self._clipped_restored + (0 if self._clipped is None else int(self._clipped))
 
     @property
     def dropped_records(self) -> int:
-        """Records that some sink did not write (it raised, or sat out its back-off)."""
+        """Records that some sink did not write (it raised, or sat out its back-off), an int;
+        per sink: ``sink_health``."""
         return self._sink_set.dropped
 
     def sink_health(self) -> list[dict]:
-        """Per sink, in the order of ``sinks``: ``sink`` (its class name), ``written``,
-        ``dropped``, ``failures`` (consecutive), ``retry_in`` (records it still sits out) and
-        ``last_error``."""
+        """How each sink has fared (see ``write`` for the back-off rule).
+
+        Returns:
+            One dict per sink, in the order of ``sinks``: ``sink`` (its class name),
+                ``written``, ``dropped``, ``failures`` (consecutive), ``retry_in`` (records it still
+                sits out) and ``last_error``.
+
+        Example:
+            ```python
+            for h in monitor.sink_health():
+                if h["dropped"]:
+                    print(h["sink"], h["dropped"], h["last_error"])
+            ```
+        """
         return self._sink_set.health()
 
     def _amp_active(self) -> bool:
@@ -280,8 +414,36 @@ class GradMonitor:
         """Takes this step's statistics (and clips when ``max_norm`` is set), applies the policies,
         logs when due, and says whether to skip the optimizer step.
 
-        ``log``: True / False log this step or not (an integration following its framework's
-        logging cadence); None: every ``every`` steps. Anomalies are logged either way.
+        Call it after ``backward()`` (and after ``scaler.unscale_(optimizer)``, unless the
+        monitor was given ``optimizer`` to unscale itself), before ``optimizer.step()``. Each call
+        advances ``step_count``. With ``enabled=False`` it does nothing and returns an empty
+        report. A step that a policy skips is left unclipped; the ``"skip"`` and ``"warn"``
+        policies warn with the message.
+
+        Args:
+            log: True / False log this step or not (an integration following its framework's
+                logging cadence); None: every ``every`` steps. Anomalies are logged either way.
+
+        Returns:
+            What the step saw and decided: ``skip`` (do not take the optimizer
+                step), ``anomalies``, ``message``, ``stats`` (device tensors), ``logged``.
+
+        Raises:
+            GradientAnomaly: an anomaly under the ``"raise"`` policy (``on_nonfinite="raise"`` for
+                non-finite gradients, ``on_explode="raise"`` for an explosion); its ``report``
+                holds the step's ``StepReport``, and the record is written to the sinks first.
+            ValueError: with ``on_nonfinite="raise"``, a ``max_norm`` schedule that raised or
+                returned NaN, a negative value or not a number at this step (the error names the
+                step).
+
+        Example:
+            ```python
+            loss.backward()
+            report = monitor.step()
+            if not report.skip:
+                optimizer.step()
+            optimizer.zero_grad()
+            ```
         """
         step = self.step_count
         self.step_count += 1
@@ -415,23 +577,44 @@ class GradMonitor:
     def micro_step(self) -> None:
         """Says a micro-batch's backward has finished (gradient accumulation), for the noise
         scale: call it after each ``backward()``; the first micro-batch's squared norm is taken
-        by one fused pass on steps that accumulate. Does nothing without ``noise_scale``."""
+        by one fused pass on steps that accumulate. Does nothing without ``noise_scale``
+        (or when the monitor is disabled).
+
+        Example:
+            ```python
+            monitor = gradfuse.GradMonitor(model, noise_scale=True)
+            for micro in range(4):
+                (loss_fn(model(x[micro]), y[micro]) / 4).backward()
+                monitor.micro_step()
+            report = monitor.step()
+            ```
+        """
         if self.enabled and self.dynamics is not None:
             self.dynamics.micro_step(self._watch)
 
     @property
     def noise_scale(self):
-        """The ``gradfuse.NoiseScale`` estimator, or None."""
+        """The ``gradfuse.NoiseScale`` estimator (``noise_scale=``), or None."""
         return None if self.dynamics is None else self.dynamics.noise_scale
 
 
     def config(self) -> dict:
-        """The monitor's settings as plain values, for a tracker's run configuration (sinks with
-        ``on_start(config)`` get it before the first record): ``max_norm`` (a number, or
-        ``"schedule"`` / ``"zclip"``), ``norm_type``, ``every``, ``on_nonfinite``, ``on_explode``,
-        ``explode_threshold``, ``per``, ``clip_value``, ``agc``, ``layer_depth``, ``histogram``,
-        ``activations``, ``noise_scale``, ``update_ratios``, ``sink_ranks`` (and ``start_step``, the
-        first step, in what the sinks get)."""
+        """The monitor's settings as plain values, for a tracker's run configuration.
+
+        Sinks with ``on_start(config)`` get it before the first record (with ``start_step``,
+        the first step, added).
+
+        Returns:
+            A dict: ``max_norm`` (a number, or ``"schedule"`` / ``"zclip"``), ``norm_type``,
+                ``every``, ``on_nonfinite``, ``on_explode``, ``explode_threshold``, ``per``,
+                ``clip_value``, ``agc``, ``layer_depth``, ``histogram``, ``activations``,
+                ``noise_scale``, ``update_ratios``, ``sink_ranks``.
+
+        Example:
+            ```python
+            wandb.config.update({"gradfuse": monitor.config()})
+            ```
+        """
         m = self.max_norm
         if isinstance(m, ZClip):
             m = "zclip"
@@ -449,16 +632,43 @@ class GradMonitor:
                 "sink_ranks": self.sink_ranks}
 
     def counters(self) -> dict[str, int]:
-        """The run's counters so far: ``steps`` (steps taken), ``clipped_steps`` (reads a device
-        counter), ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
-        ``amp_overflow_steps``, ``dropped_records``."""
+        """The run's counters so far (also in every record, under ``counters``).
+
+        Returns:
+            A dict of ints: ``steps`` (steps taken), ``clipped_steps`` (reads a device counter),
+                ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
+                ``amp_overflow_steps``, ``dropped_records``.
+
+        Example:
+            ```python
+            c = monitor.counters()
+            print(f"{c['skipped_steps']} of {c['steps']} steps skipped")
+            ```
+        """
         out = {"steps": self.step_count, "clipped_steps": self.clipped_steps}
         out.update({name: getattr(self, name) for name in COUNTERS})
         out["dropped_records"] = self.dropped_records
         return out
 
     def record(self, report: StepReport, event: bool = False) -> dict:
-        """The record the sinks get for ``report`` (reads its statistics: one transfer)."""
+        """The record the sinks get for ``report`` (reads its statistics: one transfer).
+
+        The keys are listed on the Data reference page (``step``, ``total_norm``, ``max_norm``,
+        ``clip_coef``, ``anomalies``, ``counters``, ``params``, ``layers``, ...).
+
+        Args:
+            report: A ``StepReport`` with ``stats`` (one ``step`` returned).
+            event: The record is written because of an anomaly (its ``event`` key).
+
+        Returns:
+            The record, a dict of plain values (what ``JsonlSink`` writes as one JSON line).
+
+        Example:
+            ```python
+            report = monitor.step(log=False)
+            monitor.write(monitor.record(report))     # log this step by hand
+            ```
+        """
         d = report.stats.to_dict()
         extra = {} if self.dynamics is None else self.dynamics.record(report)
         return {
@@ -504,16 +714,26 @@ class GradMonitor:
             self.write(self.record(report, event))
 
     def write(self, record: dict) -> None:
-        """Hands ``record`` to every sink. A sink that raises (a full disk, a closed writer, a
-        metrics client that times out: any ``Exception``) does not stop training or the other
-        sinks. The rule: its first failure warns once, with the reason; after its k-th
-        consecutive failure it sits out the next ``min(2**(k-1), 64)`` records, then is tried
-        again; a success resets k. Every record a sink did not write counts in
-        ``dropped_records`` (per sink: ``sink_health``).
+        """Hands ``record`` to every sink; never raises because of a sink.
+
+        A sink that raises (a full disk, a closed writer, a metrics client that times out: any
+        ``Exception``) does not stop training or the other sinks. The rule: its first failure
+        warns once, with the reason; after its k-th consecutive failure it sits out the next
+        ``min(2**(k-1), 64)`` records, then is tried again; a success resets k. Every record a
+        sink did not write counts in ``dropped_records`` (per sink: ``sink_health``).
 
         Under ``torch.distributed`` with two or more processes only the ranks of ``sink_ranks``
         write (every rank builds the record, so collectives stay matched); with ``"all"`` each
-        record gets a ``rank`` key."""
+        record gets a ``rank`` key.
+
+        Args:
+            record: A record, as ``record`` builds it.
+
+        Example:
+            ```python
+            monitor.write(monitor.record(report, event=True))
+            ```
+        """
         rank = self._writing_rank()
         if rank is False:
             return
@@ -534,7 +754,19 @@ class GradMonitor:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue: the next step number and the counters (reads
-        the device counter of clipped steps). Save it with the training checkpoint."""
+        the device counter of clipped steps). Save it with the training checkpoint.
+
+        Returns:
+            A dict: ``version``, ``step`` (the next step number), ``clipped_steps`` and the other
+                counters; with a ``ZClip`` ``max_norm`` its state (``zclip``), with the noise scale
+                or update ratios theirs (``dynamics``).
+
+        Example:
+            ```python
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "gradfuse": monitor.state_dict()}, "ckpt.pt")
+            ```
+        """
         state = {"version": STATE_VERSION, "step": self.step_count, "clipped_steps": self.clipped_steps}
         state.update({name: getattr(self, name) for name in COUNTERS})
         if isinstance(self.max_norm, ZClip):
@@ -544,7 +776,26 @@ class GradMonitor:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores ``state_dict``: the next ``step`` continues the numbering and counts."""
+        """Restores ``state_dict``: the next ``step`` continues the numbering and counts.
+
+        Also restores the ``ZClip`` state and the dynamics (noise scale) state when the
+        monitor has them and ``state`` holds them.
+
+        Args:
+            state: A dict from ``state_dict``.
+
+        Raises:
+            KeyError: ``state`` lacks ``step``, ``clipped_steps`` or one of the counters.
+            ValueError: ``state`` was saved by a newer gradfuse (its ``version`` is higher than
+                this one understands); also from the ``ZClip`` state when its ``warmup_steps``
+                differs, and from a malformed noise scale state.
+
+        Example:
+            ```python
+            ckpt = torch.load("ckpt.pt")
+            monitor.load_state_dict(ckpt["gradfuse"])
+            ```
+        """
         missing = {"step", "clipped_steps", *COUNTERS} - set(state)
         if missing:
             raise KeyError(f"gradfuse.GradMonitor.load_state_dict: missing {sorted(missing)}")
@@ -564,7 +815,13 @@ class GradMonitor:
 
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended
-        (its counters cover every step). ``close`` does this first."""
+        (its counters cover every step). ``close`` does this first.
+
+        Example:
+            ```python
+            monitor.flush()   # e.g. before reading the JSONL log mid-run
+            ```
+        """
         last = self._last_report
         if last is not None and not last.logged and last.stats is not None:
             self._write(last, event=False)
@@ -572,7 +829,16 @@ class GradMonitor:
 
     def close(self) -> None:
         """Logs the last step (``flush``) and closes the sinks (a sink that fails to close
-        is warned about, never raised)."""
+        is warned about, never raised). Also removes any activation hook still armed.
+
+        Example:
+            ```python
+            try:
+                train(model, monitor)
+            finally:
+                monitor.close()
+            ```
+        """
         if self._act_hooks is not None:
             self._act_hooks.take()  # no hook outlives the monitor
         self.flush()

@@ -54,11 +54,32 @@ class JsonlSink:
     """Appends one JSON object per record to ``path``: safe to read while training.
 
     Each record is one ``write`` of one line to an unbuffered file (``fsync=True`` also forces it
-    to disk). A path that cannot be opened fails here, at construction, not at the first logged
-    step. A line torn by a crash or a failed write (a full disk) is set apart with a newline
-    before the next record, and ``read_jsonl`` skips it. NaN and Inf are written as the JSON
-    extensions ``NaN`` / ``Infinity``, which Python's json reads back. ``last_step`` is the
-    last step the file holds (read from its end).
+    to disk). The line is the whole record (its keys are listed on the Data reference page,
+    under "The record"). A path that cannot be opened fails here, at construction, not at the
+    first logged step. A line torn by a crash or a failed write (a full disk) is set apart with a
+    newline before the next record, and ``read_jsonl`` skips it. NaN and Inf are written as the
+    JSON extensions ``NaN`` / ``Infinity``, which Python's json reads back. ``last_step`` is the
+    last step the file holds (read from its end). An existing file is appended to.
+
+    Args:
+        path: The file; its directory is created when missing.
+        fsync: Force each record to disk (``os.fsync``) after writing it.
+
+    Attributes:
+        path (str): The file's path.
+        fsync (bool): Whether each record is forced to disk.
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending (the message names it).
+
+    Example:
+        ```python
+        sink = gradfuse.JsonlSink("runs/exp1/grads.jsonl")
+        monitor = gradfuse.GradMonitor(model, every=100, sinks=[sink])
+        ...
+        monitor.close()
+        records = gradfuse.sinks.read_jsonl("runs/exp1/grads.jsonl")
+        ```
     """
 
     def __init__(self, path: str | os.PathLike, fsync: bool = False):
@@ -83,7 +104,11 @@ class JsonlSink:
             return f.read(1) != b"\n"
 
     def last_step(self) -> int | None:
-        """The step of the last record in the file (this run's, or a previous run's)."""
+        """The step of the last record in the file (this run's, or a previous run's).
+
+        Returns:
+            The step, or None when the file holds no complete record.
+        """
         if self._last_step is None and os.path.isfile(self.path):
             rec = _last_record(self.path)
             self._last_step = None if rec is None else rec.get("step")
@@ -130,7 +155,23 @@ def _last_record(path: str, block: int = 1 << 20) -> dict | None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSONL log, skipping a torn line left by a crash."""
+    """The records of a JSONL log, skipping a torn line left by a crash.
+
+    Args:
+        path: A file a ``JsonlSink`` wrote.
+
+    Returns:
+        The records, in file order (their keys: see the Data reference page).
+
+    Raises:
+        OSError: the file cannot be opened (``FileNotFoundError`` when it does not exist).
+
+    Example:
+        ```python
+        records = gradfuse.sinks.read_jsonl("run.jsonl")
+        norms = [r["total_norm"] for r in records]
+        ```
+    """
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -145,12 +186,36 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def metrics(record: dict) -> dict[str, float]:
-    """A record as flat metric names -> numbers, for metric loggers: ``grad/total_norm``,
-    ``grad/clip_coef``, ``grad/clipped`` (this step), the run's counters (``grad/clipped_steps``,
-    ``grad/skipped_steps``, ``grad/nonfinite_steps``, ...), and per layer ``grad_l2/<layer>``,
-    ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``; with the monitor's options
-    ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma``,
-    ``update_ratio/<layer>``, ``weight_norm/<layer>``."""
+    """A record as flat metric names -> numbers, for metric loggers.
+
+    The metric sinks (``TensorBoardSink``, ``MetricsSink``, ``WandbSink``, ``MLflowSink``) and
+    the Lightning and Hugging Face integrations log these; the full table is on the Data
+    reference page, under "Metric names".
+
+    Args:
+        record: A record, as ``GradMonitor.record`` builds it (or ``read_jsonl`` reads it).
+
+    Returns:
+        Metric name -> number: ``grad/total_norm``, ``grad/nonfinite``, ``grad/skipped``;
+            ``grad/clip_coef``, ``grad/clipped`` (this step) when clipping; the run's counters
+            (``grad/clipped_steps``, ``grad/skipped_steps``, ``grad/nonfinite_steps``, ...); per
+            layer ``grad_l2/<layer>``, ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``
+            (NaN + Inf count); with the monitor's options ``headroom/<layer>/<column>``,
+            ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma``,
+            ``update_ratio/<layer>``, ``weight_norm/<layer>``, and
+            ``act/<layer>/{rms,mean,std,dead_fraction,zero_fraction,nonfinite}`` and
+            ``act_grad/<layer>/...``.
+
+    Raises:
+        KeyError: ``record`` lacks a key every record has (``total_norm``, ``nonfinite``,
+            ``skipped``, ``clip_coef``, ``layers``).
+
+    Example:
+        ```python
+        for r in gradfuse.sinks.read_jsonl("run.jsonl"):
+            my_logger.log(gradfuse.sinks.metrics(r), step=r["step"])
+        ```
+    """
     m = {
         "grad/total_norm": record["total_norm"],
         "grad/nonfinite": float(record["nonfinite"]),
@@ -186,10 +251,24 @@ def metrics(record: dict) -> dict[str, float]:
 
 
 def exponent_buckets(entry: dict) -> tuple[list[int], list[int]] | None:
-    """A layer's ``exponents`` entry (``{"first_bin": b, "counts": [...]}``) as (edges, counts) on
-    the log2 axis: ``counts[i]`` elements have floor(log2|g|) in [edges[i], edges[i+1]), so
+    """A layer's ``exponents`` entry as (edges, counts) on the log2 axis.
+
+    ``counts[i]`` elements have floor(log2|g|) in [edges[i], edges[i+1]), so
     ``len(edges) == len(counts) + 1`` (numpy's histogram convention). Only the exponent bins
-    (-149 .. 127); None when none of them holds an element."""
+    (-149 .. 127), trimmed of empty bins at both ends.
+
+    Args:
+        entry: One layer of a record's ``exponents`` (``{"first_bin": b, "counts": [...]}``;
+            ``GradMonitor(histogram=True)``).
+
+    Returns:
+        ``(edges, counts)``, or None when none of the exponent bins holds an element.
+
+    Example:
+        ```python
+        edges, counts = gradfuse.sinks.exponent_buckets(record["exponents"]["lm_head"])
+        ```
+    """
     first, counts = entry["first_bin"], entry["counts"]
     lo_bin, hi_bin = MIN_EXPONENT + EXPONENT_OFFSET, MAX_EXPONENT + EXPONENT_OFFSET
     pairs = [(b - EXPONENT_OFFSET, c) for b, c in enumerate(counts, first) if lo_bin <= b <= hi_bin]
@@ -258,6 +337,37 @@ class TensorBoardSink:
     - ``images_every=N`` (default 0: none): every N-th logged step the pictures of the last
       ``window`` records (``add_figure``; tags ``grad/gradflow`` and ``grad/exponents`` by
       default, or what ``figure_fn(records)`` returns: a Figure, or a dict of tag -> Figure).
+
+    Scalars are logged at the record's step; the writer is flushed after each record and on
+    ``close`` (which draws the pictures once more when records came after the last ones; the
+    writer itself is left open). The metric names are listed on the Data reference page.
+
+    Args:
+        writer: A ``torch.utils.tensorboard.SummaryWriter`` (or an object with its
+            ``add_scalar``, ``add_text``, ``add_histogram_raw``, ``add_figure`` and ``flush``).
+        histograms: Log the exponent histograms (when the records carry ``exponents``).
+        images_every: Draw the pictures every this many logged steps (0: never; drawing takes
+            about a second).
+        figure_fn: ``figure_fn(records)`` -> a matplotlib Figure or a dict of tag -> Figure;
+            None: ``gradfuse.monitor.figures.record_figures``.
+        window: How many of the latest records the pictures show.
+
+    Attributes:
+        writer: The writer.
+        histograms (bool): Whether exponent histograms are logged.
+
+    Raises:
+        ValueError: ``images_every`` < 0 or ``window`` < 1.
+        ImportError: when drawing the default pictures without matplotlib
+            (``pip install matplotlib``); raised in ``write`` (the monitor warns and counts
+            the record as dropped). ``SummaryWriter`` itself needs ``pip install tensorboard``.
+
+    Example:
+        ```python
+        from torch.utils.tensorboard import SummaryWriter
+        sink = gradfuse.TensorBoardSink(SummaryWriter("runs/exp1"), images_every=10)
+        monitor = gradfuse.GradMonitor(model, every=50, histogram=True, sinks=[sink])
+        ```
     """
 
     def __init__(self, writer, histograms: bool = True, images_every: int = 0, figure_fn=None,
@@ -300,7 +410,29 @@ class TensorBoardSink:
 
 class MetricsSink:
     """Any logger with ``log(metrics: dict, step=int)``: a Weights & Biases run
-    (``MetricsSink(wandb.run)``), or your own."""
+    (``MetricsSink(wandb.run)``), or your own.
+
+    Each record becomes one ``logger.log(metrics(record), step=record["step"])`` call: the flat
+    metric names of ``metrics`` (listed on the Data reference page, under "Metric names").
+
+    Args:
+        logger: An object with a callable ``log(dict, step=)``.
+
+    Attributes:
+        logger: The logger.
+
+    Raises:
+        TypeError: ``logger`` has no callable ``log``.
+
+    Example:
+        ```python
+        class PrintLogger:
+            def log(self, metrics, step):
+                print(step, metrics["grad/total_norm"])
+
+        monitor = gradfuse.GradMonitor(model, sinks=[gradfuse.MetricsSink(PrintLogger())])
+        ```
+    """
 
     def __init__(self, logger):
         if not callable(getattr(logger, "log", None)):
@@ -327,7 +459,37 @@ class WandbSink(MetricsSink):
 
     Any other object with ``log(dict, step=)`` still works (as ``MetricsSink``; the
     histograms and pictures then need ``wandb`` importable; summary and config are set when the
-    object has them)."""
+    object has them). The metric names are listed on the Data reference page.
+
+    Args:
+        logger: A W&B run (``wandb.init()``'s), any object with ``log(dict, step=)``, or None:
+            ``wandb.run`` at each write.
+        histograms: Log the exponent histograms (when the records carry ``exponents``).
+        images_every: Log the pictures every this many logged steps (0: never).
+        figure_fn: ``figure_fn(records)`` -> a matplotlib Figure or a dict of tag -> Figure;
+            None: ``gradfuse.monitor.figures.record_figures``.
+        window: How many of the latest records the pictures show.
+
+    Attributes:
+        logger: The run given, or None (``wandb.run``).
+        histograms (bool): Whether exponent histograms are logged.
+
+    Raises:
+        TypeError: ``logger`` is neither None nor an object with a callable ``log``.
+        ValueError: ``images_every`` < 0 or ``window`` < 1.
+        ImportError: ``wandb`` is not installed (``pip install wandb``) where it is needed:
+            ``logger=None``, histograms or pictures; raised by ``write`` / ``on_start``, so the
+            monitor warns and counts the record as dropped.
+        RuntimeError: ``logger=None`` and no run is active (call ``wandb.init()`` first);
+            raised by ``write`` / ``on_start`` as well.
+
+    Example:
+        ```python
+        run = wandb.init(project="my-project")
+        monitor = gradfuse.GradMonitor(model, every=50, histogram=True,
+                                       sinks=[gradfuse.WandbSink(run, images_every=20)])
+        ```
+    """
 
     def __init__(self, logger, histograms: bool = True, images_every: int = 0, figure_fn=None,
                  window: int = 500):
@@ -404,8 +566,36 @@ class MLflowSink:
     ``gradfuse/<tag>_step<step>.png`` (``log_figure``; tags as ``TensorBoardSink``'s, ``/``
     as ``_``).
 
-    ``run_id``: the run to write to; None: the active run (``mlflow.start_run()``), with the
-    tracking URI in force. ``tracking_uri``: where the run is (None: MLflow's default)."""
+    Metrics are logged in batches of at most 1000 (MLflow's limit); ``close`` draws the
+    pictures once more when records came after the last ones. The metric names are listed on
+    the Data reference page.
+
+    Args:
+        run_id: The run to write to; None: the active run (``mlflow.start_run()``), with the
+            tracking URI in force.
+        tracking_uri: Where the run is (None: MLflow's default).
+        images_every: Log the pictures every this many logged steps (0: never).
+        figure_fn: ``figure_fn(records)`` -> a matplotlib Figure or a dict of tag -> Figure;
+            None: ``gradfuse.monitor.figures.record_figures``.
+        window: How many of the latest records the pictures show.
+
+    Attributes:
+        client: The ``mlflow.tracking.MlflowClient``.
+        run_id (str): The run written to.
+
+    Raises:
+        ImportError: ``mlflow`` is not installed (``pip install mlflow``).
+        ValueError: ``run_id=None`` and no MLflow run is active; ``images_every`` < 0 or
+            ``window`` < 1.
+
+    Example:
+        ```python
+        with mlflow.start_run():
+            monitor = gradfuse.GradMonitor(model, every=100, sinks=[gradfuse.MLflowSink()])
+            train(model, monitor)
+            monitor.close()
+        ```
+    """
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
                  images_every: int = 0, figure_fn=None, window: int = 500):
@@ -424,7 +614,14 @@ class MLflowSink:
 
     @staticmethod
     def key(name: str) -> str:
-        """``name`` as an MLflow metric, param or tag key."""
+        """``name`` as an MLflow metric, param or tag key: characters MLflow refuses become ``_``.
+
+        Args:
+            name: A metric, param or tag name (``grad_l2/(root)``).
+
+        Returns:
+            The key (``grad_l2/_root_``).
+        """
         return _MLFLOW_KEY.sub("_", name)
 
     def on_start(self, config: dict) -> None:
@@ -464,7 +661,26 @@ class MLflowSink:
 
 
 class LoggingSink:
-    """One line per record through Python ``logging`` (anomalies at WARNING)."""
+    """One line per record through Python ``logging`` (anomalies at WARNING).
+
+    The line: ``step N: total_norm=... clip_coef=... ANOMALY <kinds>: <message>``, with the clip
+    coefficient only when clipping and the anomaly part only on an anomaly (see the Data
+    reference page for the fields).
+
+    Args:
+        logger: The logger; None: ``logging.getLogger("gradfuse")``.
+        level: The level of records without anomalies (anomalies are logged at WARNING).
+
+    Attributes:
+        logger (logging.Logger): The logger.
+        level (int): The level of ordinary records.
+
+    Example:
+        ```python
+        logging.basicConfig(level=logging.INFO)
+        monitor = gradfuse.GradMonitor(model, every=100, sinks=[gradfuse.LoggingSink()])
+        ```
+    """
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
         self.logger = logger or logging.getLogger("gradfuse")
@@ -490,7 +706,26 @@ class PrometheusSink:
     Records with a ``rank`` key (``GradMonitor(sink_ranks="all")``) put a ``rank`` label on every
     metric: the first such record re-registers them with it.
     ``gradfuse/monitor/grafana_dashboard.json`` (``grafana_dashboard_path``) is a Grafana
-    dashboard of these metrics for the default prefix."""
+    dashboard of these metrics for the default prefix. The metrics are also listed on the Data
+    reference page. Serve them with ``prometheus_client.start_http_server`` (or your own
+    exporter); the sink only sets them.
+
+    Args:
+        registry: The ``prometheus_client`` registry; None: ``prometheus_client.REGISTRY``.
+        prefix: The metric name prefix.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (``pip install prometheus-client``).
+        ValueError: from ``prometheus_client``, when the registry already holds metrics of these
+            names (a second sink with the same prefix and registry).
+
+    Example:
+        ```python
+        import prometheus_client
+        prometheus_client.start_http_server(8000)
+        monitor = gradfuse.GradMonitor(model, every=10, sinks=[gradfuse.PrometheusSink()])
+        ```
+    """
 
     def __init__(self, registry=None, prefix: str = "gradfuse"):
         self._prom = require("prometheus_client", "prometheus-client", "PrometheusSink")
@@ -553,5 +788,15 @@ class PrometheusSink:
 def grafana_dashboard_path() -> str:
     """The path of the Grafana dashboard shipped with gradfuse (JSON, for provisioning or
     import): total norm and clip threshold, clip events, per-layer L2 norms as a heatmap,
-    anomalies; for ``PrometheusSink``'s metrics with the default prefix."""
+    anomalies; for ``PrometheusSink``'s metrics with the default prefix.
+
+    Returns:
+        The absolute path of ``gradfuse/monitor/grafana_dashboard.json``.
+
+    Example:
+        ```python
+        import shutil
+        shutil.copy(gradfuse.sinks.grafana_dashboard_path(), "/etc/grafana/dashboards/")
+        ```
+    """
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "grafana_dashboard.json")
