@@ -57,6 +57,18 @@ def source_of(module: str) -> Path:
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
+def defined_in(module: str) -> set[str]:
+    """The names a module defines (def, class, assignment), not those it imports."""
+    tree = ast.parse(source_of(module).read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
 def dunder_all(module: str) -> list[str]:
     tree = ast.parse(source_of(module).read_text())
     for node in tree.body:
@@ -90,8 +102,9 @@ nav["gradfuse"] = "gradfuse.md"
 
 for module, title, names in MODULES:
     public = names if names is not None else dunder_all(module)
-    own = [n for n in public if n not in top_all]
-    shared = [n for n in public if n in top_all]
+    defined = defined_in(module)  # a name the module defines itself is its own, even if
+    own = [n for n in public if n not in top_all or n in defined]  # gradfuse has one of that name
+    shared = [n for n in public if n in top_all and n not in defined]
     page = f"reference/{title}.md"
     with mkdocs_gen_files.open(page, "w") as f:
         f.write(f"# {title}\n\n")

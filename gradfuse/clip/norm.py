@@ -44,8 +44,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         foreach: Accepted and ignored.
 
     Returns:
-        The total norm of the gradients viewed as one vector: a 0-d tensor in the gradients'
-        dtype, on their device (a DTensor for DTensor gradients, placed as torch places it).
+        The total norm of the gradients (viewed as one vector), a 0-d tensor in the gradients'
+            dtype on their device; a DTensor for DTensor gradients, placed as torch places it.
 
     Raises:
         RuntimeError: ``error_if_nonfinite=True`` and the total norm is NaN or Inf.
