@@ -11,7 +11,7 @@ import pytest
 
 from gradfuse.ops import library
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "scripts" / "sass_budget.py")
 sass_budget = sys.modules["sass_budget"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_budget)
