@@ -115,31 +115,72 @@ def table(result: dict) -> str:
     return "\n".join(out).lstrip("\n") + "\n"
 
 
-def chart(result: dict, path: str) -> None:
+def ratio_limits(values, pad: float = 1.5) -> tuple[float, float]:
+    """Limits of a log axis of time ratios: every finite positive value and 1 (torch) inside,
+    with a margin on either side (``pad``, and room for the labels at the bars' ends)."""
+    import math
+    v = [x for x in values if x is not None and math.isfinite(x) and x > 0] + [1.0]
+    return min(v) / (pad * 1.6), max(v) * pad * 1.6
+
+
+def chart(result: dict, path: str, methods: list[str] | None = None, labels: dict | None = None,
+          workloads: list[str] | None = None, dtype: str | None = None, title: str | None = None,
+          dpi: int = 110) -> None:
+    """A horizontal bar chart of each method's median time over clip_grad_norm_(foreach=True)'s,
+    per workload and dtype (``workloads`` / ``dtype`` select, ``methods`` picks and orders the
+    bars, ``labels`` names them). The axis is logarithmic, its limits from the data
+    (``ratio_limits``); each bar runs from 1 (torch) to its ratio, with the ratio written at its
+    end: bars to the left of the line are faster than torch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    groups = sorted(result["rows"])
-    names = [n for n in ORDER if not n.startswith("memory") and n != "torch_clip_foreach"
+    groups = [g for g in sorted(result["rows"]) if (dtype is None or g[1] == dtype)
+              and (workloads is None or g[0] in workloads)]
+    if workloads is not None:
+        groups.sort(key=lambda g: workloads.index(g[0]))
+    groups = [g for g in groups if "torch_clip_foreach" in result["rows"][g]]  # the baseline
+    names = [n for n in (methods or ORDER) if not n.startswith("memory") and n != "torch_clip_foreach"
              and any(n in result["rows"][g] for g in groups)]
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.5))
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        vals = []
-        for g in groups:
-            m, base = result["rows"][g].get(name), result["rows"][g].get("torch_clip_foreach")
-            vals.append(m["median_s"] / base["median_s"] if m and base else np.nan)
-        ax.bar(np.arange(len(groups)) + i * width, vals, width, label=name)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, [f"{w}\n{d}" for w, d in groups], fontsize=8)
-    ax.set_ylabel("time / clip_grad_norm_(foreach=True)  (lower is better)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("gradfuse benchmarks: median time relative to torch.nn.utils.clip_grad_norm_")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    labels = labels or {}
+    ratios = np.full((len(groups), len(names)), np.nan)
+    for i, g in enumerate(groups):
+        base = result["rows"][g].get("torch_clip_foreach")
+        for j, name in enumerate(names):
+            m = result["rows"][g].get(name)
+            if m and base:
+                ratios[i, j] = m["median_s"] / base["median_s"]
+    height = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.19 * len(groups) * len(names) + 0.15 * len(groups)),
+                           layout="constrained")
+    for j, name in enumerate(names):
+        y = np.arange(len(groups)) + j * height
+        r = ratios[:, j]
+        ok = np.isfinite(r) & (r > 0)
+        ax.barh(y[ok], r[ok] - 1, height * 0.92, left=1, label=labels.get(name, name), color=f"C{j}")
+        for yy, rr in zip(y[ok], r[ok]):
+            ax.text(rr * (1.06 if rr >= 1 else 1 / 1.06), yy, f"{rr:.2g}x", va="center",
+                    ha="left" if rr >= 1 else "right", fontsize=8)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlim(*ratio_limits(ratios.ravel()))
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    show_dtype = dtype is None and len({d for _, d in groups}) > 1
+    ax.set_yticks(np.arange(len(groups)) + 0.4 - height / 2,
+                  [f"{w}\n{d}" if show_dtype else w for w, d in groups], fontsize=10)
+    ax.invert_yaxis()
+    ax.tick_params(axis="x", labelsize=9)
+    ax.grid(True, axis="x", which="major", alpha=0.3)
+    ax.set_xlabel("median time / torch clip_grad_norm_(foreach=True)   (left of 1: faster than torch)",
+                  fontsize=10)
+    ax.set_title(title or "gradfuse benchmarks: median time relative to torch.nn.utils.clip_grad_norm_",
+                 fontsize=10.5)
+    fig.legend(fontsize=9, loc="outside lower center", ncol=min(3, max(len(names), 1)), frameon=False)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 

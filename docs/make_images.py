@@ -11,7 +11,12 @@
 - docs/benchmarks.png: median time relative to torch.nn.utils.clip_grad_norm_(foreach=True) on
   CPU, float32, from the section "whole benchmark on main" of benchmarks/RESULTS.md, measured on
   2026-12-03 (its command is there;
-  re-running it rewrites that file, then this script redraws the chart from it).
+  re-running it rewrites that file, then this script redraws the chart from it), drawn by
+  benchmarks/summarize.py's ``chart``. When RESULTS.md has no such section, docs/benchmarks.png is
+  left as it is (the script says so).
+
+The pictures are 9-10 inches wide at 100 dpi (900-1000 px): the README and the docs show them
+~800 px wide, where their 9-point text is ~10 px.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import re
 import sys
 import tempfile
 
+DPI = 100
+DEMO_BATCH = 64  # examples per step of the demo (gradfuse/demo/demo.py: 2 micro-batches of 32)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 METHODS = [("gradfuse_stats", "gradfuse.stats (all statistics)"),
@@ -36,22 +43,24 @@ def demo_pictures(gradflow_path: str, exponents_path: str, noise_scale_path: str
     noise-scale curve."""
     import matplotlib.pyplot as plt
 
-    from gradfuse.demo import run
-    from gradfuse.plot import exponent_figure, noise_scale_figure, plot_gradflow
+    from gradfuse.demo.demo import run
     from gradfuse.sinks import read_jsonl
+    from gradfuse.viz.gradflow import exponent_figure, noise_scale_figure, plot_gradflow
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(io.StringIO()):
             result = run(steps=200, out_dir=tmp, timing=False)
         # (plot_gradflow also writes <tmp>/gradflow_exponents.png and _noise_scale.png, unused)
-        plot_gradflow(result["log"], os.path.join(tmp, "gradflow.png"), dpi=72)
+        plot_gradflow(result["log"], os.path.join(tmp, "gradflow.png"), dpi=DPI, batch_size=DEMO_BATCH)
         os.replace(os.path.join(tmp, "gradflow.png"), gradflow_path)
         records = read_jsonl(result["log"])
+    def noise_scale(records):
+        return noise_scale_figure(records, batch_size=DEMO_BATCH)
     for figure, path, what in ((exponent_figure, exponents_path, "exponents"),
-                               (noise_scale_figure, noise_scale_path, "noise_scale")):
+                               (noise_scale, noise_scale_path, "noise_scale")):
         if not any(r.get(what) for r in records):
             raise RuntimeError(f"the demo run logged no {what!r} records: cannot draw {path}")
         fig = figure(records)
-        fig.savefig(path, dpi=72)
+        fig.savefig(path, dpi=DPI)
         plt.close(fig)
 
 
@@ -75,37 +84,37 @@ def results_tables(md_path: str, section: str = ": whole benchmark on main") -> 
     return rows
 
 
-def benchmarks(path: str, dtype: str = "float32") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = {w: m for (w, d), m in results_tables(os.path.join(ROOT, "benchmarks", "RESULTS.md")).items()
-            if d == dtype}
+def benchmarks(path: str, dtype: str = "float32") -> bool:
+    """Draws docs/benchmarks.png from RESULTS.md's section ": whole benchmark on main" with
+    benchmarks/summarize.py's ``chart``; False (the picture left as it is) when RESULTS.md has
+    no such section or none of its tables."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import summarize
+    finally:
+        sys.path.pop(0)
+    try:
+        tables = results_tables(os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    except ValueError:  # str.index: no heading holds the words
+        return False
     workloads = ["gpt2_small", "llama_1b", "resnet50", "many_small", "few_large"]
-    workloads = [w for w in workloads if w in rows]
-    fig, ax = plt.subplots(figsize=(9, 3.4))
-    height = 0.8 / len(METHODS)
-    for i, (method, label) in enumerate(METHODS):
-        ratios = [rows[w][method] / rows[w]["torch_clip_foreach"] for w in workloads]
-        ax.barh(np.arange(len(workloads)) + i * height, ratios, height, label=label)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yticks(np.arange(len(workloads)) + 0.4 - height / 2, workloads, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("median time / torch clip_grad_norm_(foreach=True)   (1 = torch; lower is faster)", fontsize=8)
-    ax.set_title(f"CPU, 2 cores, {dtype} gradients (benchmarks/RESULTS.md)", fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    rows = {key: {m: {"median_s": ms / 1e3} for m, ms in methods.items()}
+            for key, methods in tables.items() if key[1] == dtype and key[0] in workloads
+            and "torch_clip_foreach" in methods}
+    if not rows:
+        return False
+    summarize.chart({"rows": rows}, path, methods=[m for m, _ in METHODS], labels=dict(METHODS),
+                    workloads=workloads, dtype=dtype, dpi=DPI,
+                    title=f"CPU, 2 cores, {dtype} gradients: median time relative to torch "
+                          "(benchmarks/RESULTS.md)")
+    return True
 
 
 def main() -> int:
     sys.path.insert(0, ROOT)
-    benchmarks(os.path.join(DOCS, "benchmarks.png"))
+    if not benchmarks(os.path.join(DOCS, "benchmarks.png")):
+        print("benchmarks/RESULTS.md has no float32 tables under a heading with "
+              "': whole benchmark on main': docs/benchmarks.png left as it is")
     demo_pictures(*(os.path.join(DOCS, name) for name in ("gradflow.png", "exponents.png", "noise_scale.png")))
     for name in ("gradflow.png", "benchmarks.png", "exponents.png", "noise_scale.png"):
         print(os.path.join("docs", name), os.path.getsize(os.path.join(DOCS, name)), "bytes")

@@ -34,12 +34,16 @@ def plot_activations(jsonl_path: str | os.PathLike, out_path: str | os.PathLike,
 
 def activation_figure(records: list[dict]):
     """Four panels sharing the step axis: activation RMS per layer, dead-unit fraction per layer,
-    output-gradient RMS per layer, and its zero fraction."""
+    output-gradient RMS per layer, and its zero fraction (the fractions coloured from 0 to their
+    largest value, or the text "no ... in any logged step" when all are 0: see
+    ``gradfuse.monitor.figures.fraction_panel``)."""
     matplotlib = require("matplotlib", "matplotlib", "plot_activations")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import LogNorm
+
+    from gradfuse.monitor.figures import FONT, fraction_panel
 
     by_step = {}
     for r in records:
@@ -64,25 +68,30 @@ def activation_figure(records: list[dict]):
                     g[i, j] = row[key]
         return g
 
-    panels = [("act", "rms", "activation RMS per layer (log colour; white: zero or non-finite)", True),
-              ("act", "dead_fraction", "fraction of dead units per layer (zero for the whole batch)", False),
-              ("act_grad", "rms", "RMS of the gradient w.r.t. the activations (log colour)", True),
-              ("act_grad", "zero_fraction", "fraction of exactly-zero activation gradients", False)]
+    # (records' key, column, title, None for a log-coloured RMS or what a fraction counts)
+    panels = [("act", "rms", "activation RMS per layer (log colour; white: zero or non-finite)", None),
+              ("act", "dead_fraction", "fraction of dead units per layer (zero for the whole batch)", "dead units"),
+              ("act_grad", "rms", "RMS of the gradient w.r.t. the activations (log colour)", None),
+              ("act_grad", "zero_fraction", "fraction of exactly-zero activation gradients",
+               "exactly-zero activation gradients")]
     height = max(len(layers), 3)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2 + 0.22 * height * len(panels)), sharex=True)
-    for ax, (kind, key, title, log) in zip(axes, panels):
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.26 * height * len(panels)), sharex=True,
+                             layout="constrained")
+    for ax, (kind, key, title, fraction) in zip(axes, panels):
         g = grid(kind, key)
-        if log:
+        if fraction is None:
             positive = g[np.isfinite(g) & (g > 0)]
             norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
             im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(g > 0, g, np.nan)),
                                norm=norm, cmap="viridis")
+            fig.colorbar(im, ax=ax, pad=0.01).ax.tick_params(labelsize=FONT["tick"])
         else:
-            im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(g), vmin=0, vmax=1, cmap="magma")
-        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+            fraction_panel(fig, ax, x_edges, y_edges, g, fraction)
+            top = np.nanmax(g) if np.isfinite(g).any() else 0
+            title += f"; colour 0 to {100 * top:.2g}%" if top > 0 else ""
+        ax.set_yticks(range(len(layers)), layers, fontsize=FONT["tick"])
         ax.invert_yaxis()
-        ax.set_title(title, fontsize=9)
-        fig.colorbar(im, ax=ax, pad=0.01)
-    axes[-1].set_xlabel("step")
-    fig.tight_layout()
+        ax.set_title(title, fontsize=FONT["title"])
+        ax.tick_params(labelsize=FONT["tick"])
+    axes[-1].set_xlabel("step", fontsize=FONT["label"])
     return fig
