@@ -1,7 +1,6 @@
-// CPU implementations of the per-unit ops (schemas in gradfuse.cpp): multi_tensor_unit_stats,
-// multi_tensor_unit_scale_, multi_tensor_clamp_ and multi_tensor_scale_ (the per-unit scale with
-// one unit per tensor), over the unit plan of common/unit_plan.h (units of 1 give the chunk plan
-// of the stats op).
+// CPU implementations of the clipping ops (schemas in gradfuse.cpp):
+// multi_tensor_unit_stats, multi_tensor_unit_scale_ and multi_tensor_clamp_, over the unit plan
+// of common/unit_plan.h (units of 1 give the chunk plan of the stats op).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -91,9 +90,6 @@ std::tuple<at::Tensor, at::Tensor> unit_stats_cpu(at::TensorList tensors, at::In
 // Below this many bytes (read and written) per thread a scale runs on the calling thread, as in
 // stats_cpu.cpp: waking the pool costs more than it saves.
 constexpr int64_t kMinScaleBytesPerThread = 1 << 20;
-
-void run_unit_scale(const std::vector<UnitSpan>& spans, const UnitPlan& plan, at::ScalarType dtype,
-                    const void* coefs, bool conditional, int64_t bytes);
 
 // Whether any of coefs[row, row + u) makes the conditional scale touch memory.
 template <typename acc_t>
@@ -219,36 +215,11 @@ void unit_scale_cpu(at::TensorList tensors, at::IntArrayRef units, const at::Ten
       row += u;
     }
   }
-  run_unit_scale(spans, plan, first.scalar_type(), coefs_acc.const_data_ptr(), conditional, bytes);
-}
-
-// multi_tensor_scale_: every tensor one unit, all with the one coefficient, read here (the
-// conditional scale touches nothing when it is >= 1, NaN excepted).
-void scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
-  constexpr const char* kOp = "gradfuse.multi_tensor_scale_";
-  check_group(tensors, kOp, c10::DeviceType::CPU);
-  check_scale_coef(tensors, coef, kOp);
-  const double c = coef.item<double>();
-  if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
-  const auto dense = scale_non_dense_(tensors, coef);
-  if (dense.empty()) return;
-  const UnitGroup group(dense, std::vector<int64_t>(dense.size(), 1));
-  const auto dtype = dense[0].scalar_type();
-  const auto coefs = at::full({group.total_units}, c, at::dtype(partial_dtype(dtype)));
-  int64_t elems = 0;
-  for (const UnitSpan& s : group.spans) elems += s.numel;
-  run_unit_scale(group.spans, group.plan, dtype, coefs.const_data_ptr(), /*conditional=*/false,
-                 2 * elems * static_cast<int64_t>(c10::elementSize(dtype)));
-}
-
-// The per-unit scale kernels over `plan` (`bytes`: read and written), on the calling thread when
-// the pool would not pay.
-void run_unit_scale(const std::vector<UnitSpan>& spans, const UnitPlan& plan, at::ScalarType dtype,
-                    const void* c, bool conditional, int64_t bytes) {
   const int64_t num_items = plan.num_items();
   if (num_items == 0) return;
-  const UnitArgs args{spans.data(), &plan, dtype};
+  const UnitArgs args{spans.data(), &plan, first.scalar_type()};
   const auto kern = clip_kernels_for(active_cpu_capability());
+  const void* c = coefs_acc.const_data_ptr();
   const int64_t grain = std::max<int64_t>(
       1, (num_items * kMinScaleBytesPerThread + bytes - 1) / std::max<int64_t>(bytes, 1));
   if (num_items <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
@@ -305,7 +276,6 @@ TORCH_LIBRARY_IMPL(gradfuse, CPU, m) {
   m.impl("multi_tensor_unit_stats", &unit_stats_cpu);
   m.impl("multi_tensor_unit_scale_", &unit_scale_cpu);
   m.impl("multi_tensor_clamp_", &clamp_cpu);
-  m.impl("multi_tensor_scale_", &scale_cpu);
 }
 
 }  // namespace gradfuse::cpu

@@ -48,7 +48,7 @@ void unit_stats_dispatch(const UnitArgs& args, PowMode mode, double p, int64_t b
   }
 }
 
-// x[0, n) *= c, vectorised; the tail with scale_element.
+// x[0, n) *= c, vectorised as scale_chunks; the tail with scale_element.
 template <typename scalar_t>
 void scale_span(scalar_t* x, int64_t n, acc_of<scalar_t> c) {
   using acc_t = acc_of<scalar_t>;

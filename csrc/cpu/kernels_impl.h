@@ -511,7 +511,74 @@ void stats_tensors_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, 
   }
 }
 
+template <typename scalar_t, PowMode mode>
+void stats_chunks_typed(const ChunkArgs& args, double p, int64_t begin, int64_t end,
+                        acc_of<scalar_t>* float_partials, int64_t* count_partials) {
+  int64_t t = owner_of_chunk(args.first_chunk, args.num_tensors, begin);
+  for (int64_t c = begin; c < end; ++c) {
+    while (args.first_chunk[t + 1] <= c) ++t;
+    const int64_t offset = (c - args.first_chunk[t]) * kChunkElems;
+    const int64_t n = std::min(kChunkElems, args.spans[t].numel - offset);
+    const scalar_t* x = static_cast<const scalar_t*>(args.spans[t].data) + offset;
+    reduce_chunk<scalar_t, mode>(x, n, p).store(float_partials + c * kNumFloatStats, count_partials + c * kNumCountStats);
+  }
+}
+
+template <typename scalar_t>
+void stats_chunks_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, int64_t begin,
+                                int64_t end, void* fp, int64_t* cp) {
+  auto* f = static_cast<acc_of<scalar_t>*>(fp);
+  switch (mode) {
+    case PowMode::kNone: return stats_chunks_typed<scalar_t, PowMode::kNone>(args, p, begin, end, f, cp);
+    case PowMode::kAbs: return stats_chunks_typed<scalar_t, PowMode::kAbs>(args, p, begin, end, f, cp);
+    case PowMode::kPow: return stats_chunks_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp);
+  }
+}
+
+template <typename scalar_t>
+void scale_chunks_typed(const ChunkArgs& args, double coef, int64_t begin, int64_t end) {
+  using acc_t = acc_of<scalar_t>;
+  using VA = Vectorized<acc_t>;
+  const acc_t c = static_cast<acc_t>(coef);
+  const VA cv(c);
+  int64_t t = owner_of_chunk(args.first_chunk, args.num_tensors, begin);
+  for (int64_t chunk = begin; chunk < end; ++chunk) {
+    while (args.first_chunk[t + 1] <= chunk) ++t;
+    const int64_t offset = (chunk - args.first_chunk[t]) * kChunkElems;
+    const int64_t n = std::min(kChunkElems, args.spans[t].numel - offset);
+    scalar_t* x = static_cast<scalar_t*>(args.spans[t].data) + offset;
+    int64_t i = 0;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      for (; i + VA::size() <= n; i += VA::size()) (VA::loadu(x + i) * cv).store(x + i);
+    } else {
+      constexpr int64_t kStep = Vectorized<scalar_t>::size();
+      for (; i + kStep <= n; i += kStep) {
+        VA lo, hi;
+        at::vec::load_to_float<scalar_t>(x + i, lo, hi);
+        at::vec::convert_from_float<scalar_t>(lo * cv, hi * cv).store(x + i);
+      }
+    }
+    for (; i < n; ++i) x[i] = scale_element<scalar_t, acc_t>(x[i], c);
+  }
+}
+
 }  // namespace
+
+void stats_chunks(const ChunkArgs& args, PowMode mode, double p, int64_t begin, int64_t end,
+                  void* float_partials, int64_t* count_partials) {
+  switch (args.dtype) {
+    case c10::ScalarType::Float:
+      return stats_chunks_dispatch_mode<float>(args, mode, p, begin, end, float_partials, count_partials);
+    case c10::ScalarType::Double:
+      return stats_chunks_dispatch_mode<double>(args, mode, p, begin, end, float_partials, count_partials);
+    case c10::ScalarType::Half:
+      return stats_chunks_dispatch_mode<c10::Half>(args, mode, p, begin, end, float_partials, count_partials);
+    case c10::ScalarType::BFloat16:
+      return stats_chunks_dispatch_mode<c10::BFloat16>(args, mode, p, begin, end, float_partials, count_partials);
+    default:
+      break;  // the op checked the dtype before
+  }
+}
 
 void stats_tensors(const ChunkArgs& args, PowMode mode, double p, int64_t begin, int64_t end,
                    void* float_partials, int64_t* count_partials, double* out_f, int64_t* out_c) {
@@ -526,6 +593,16 @@ void stats_tensors(const ChunkArgs& args, PowMode mode, double p, int64_t begin,
       return stats_tensors_dispatch_mode<c10::BFloat16>(args, mode, p, begin, end, float_partials, count_partials, out_f, out_c);
     default:
       break;  // the op checked the dtype before
+  }
+}
+
+void scale_chunks(const ChunkArgs& args, double coef, int64_t begin, int64_t end) {
+  switch (args.dtype) {
+    case c10::ScalarType::Float: return scale_chunks_typed<float>(args, coef, begin, end);
+    case c10::ScalarType::Double: return scale_chunks_typed<double>(args, coef, begin, end);
+    case c10::ScalarType::Half: return scale_chunks_typed<c10::Half>(args, coef, begin, end);
+    case c10::ScalarType::BFloat16: return scale_chunks_typed<c10::BFloat16>(args, coef, begin, end);
+    default: break;
   }
 }
 

@@ -1,5 +1,4 @@
-// CPU implementation of gradfuse::multi_tensor_stats (multi_tensor_scale_ is the per-unit scale of
-// clip_cpu.cpp with one unit per tensor).
+// CPU implementations of gradfuse::multi_tensor_stats and gradfuse::multi_tensor_scale_.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,11 +17,22 @@
 namespace gradfuse::cpu {
 namespace {
 
-StatsTensorsFn stats_kernel_for(const std::string& isa) {
+struct Kernels {
+  StatsChunksFn stats;
+  ScaleChunksFn scale;
+  StatsTensorsFn stats_tensors;
+};
+
+Kernels kernels_for(const std::string& isa) {
 #ifdef GRADFUSE_HAVE_AVX2_KERNELS
-  if (isa == "avx2") return AVX2::stats_tensors;
+  if (isa == "avx2") return {AVX2::stats_chunks, AVX2::scale_chunks, AVX2::stats_tensors};
 #endif
-  return DEFAULT::stats_tensors;
+  return {DEFAULT::stats_chunks, DEFAULT::scale_chunks, DEFAULT::stats_tensors};
+}
+
+ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
+  return {group.spans.data(), static_cast<int64_t>(group.spans.size()),
+          group.plan.first_chunk.data(), dtype};
 }
 
 // read_stats_inputs reads one call's inputs in one pass over the tensor list (the checks of
@@ -100,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
   const ChunkArgs args{in.spans.data(), n, in.first_chunk.data(), dtype};
   const int64_t num_chunks = in.first_chunk.back();
   const PowMode mode = pow_mode_for(norm_type);
-  const auto stats_tensors = stats_kernel_for(active_cpu_capability());
+  const auto kern = kernels_for(active_cpu_capability());
   double* of = out_f.data_ptr<double>();
   int64_t* oc = out_c.data_ptr<int64_t>();
   // Chunks per thread such that each gets at least kMinBytesPerThread: a small set is one range
@@ -108,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
   const int64_t grain = std::max<int64_t>(
       1, (num_chunks * kMinBytesPerThread + in.bytes - 1) / std::max<int64_t>(in.bytes, 1));
   if (num_chunks <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    stats_tensors(args, mode, norm_type, 0, num_chunks, nullptr, nullptr, of, oc);
+    kern.stats_tensors(args, mode, norm_type, 0, num_chunks, nullptr, nullptr, of, oc);
     return {out_f, out_c};
   }
   // One parallel region: the chunks are cut into blocks of about kBlockBytes, which the threads
@@ -128,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     for (int64_t b = next_block.fetch_add(1); b < num_blocks; b = next_block.fetch_add(1)) {
-      stats_tensors(args, mode, norm_type, b * block, std::min(num_chunks, (b + 1) * block), fp, cp, of, oc);
+      kern.stats_tensors(args, mode, norm_type, b * block, std::min(num_chunks, (b + 1) * block), fp, cp, of, oc);
     }
   });
   std::vector<int64_t> range_ends;
@@ -161,10 +171,28 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors
   return stats_of_inputs(in, tensors[0].scalar_type(), norm_type);
 }
 
+void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
+  constexpr const char* kOp = "gradfuse.multi_tensor_scale_";
+  check_group(tensors, kOp, c10::DeviceType::CPU);
+  check_scale_coef(tensors, coef, kOp);
+  const double c = coef.item<double>();
+  if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
+
+  const auto dense = scale_non_dense_(tensors, coef);
+  if (dense.empty()) return;
+  const DenseGroup group(dense);
+  const auto args = chunk_args(group, dense[0].scalar_type());
+  const auto kern = kernels_for(active_cpu_capability());
+  at::parallel_for(0, group.plan.num_chunks(), 1, [&](int64_t begin, int64_t end) {
+    kern.scale(args, c, begin, end);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gradfuse, CPU, m) {
   m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_cpu);
 }
 
 }  // namespace gradfuse::cpu
