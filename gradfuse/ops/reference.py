@@ -22,7 +22,6 @@ from gradfuse.ops.library import stats_dtype
 from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF, BIN_ZERO,
                                  EXPONENT_OFFSET, MIN_EXPONENT, NUM_BINS)
 
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -239,9 +238,7 @@ def multi_tensor_clamp_(tensors: list[torch.Tensor], clip_value: float):
         return floats, counts, torch.empty(0, dtype=torch.int64)
     # clip_value rounded to the dtype, as torch rounds the scalar; one that overflows it (which
     # torch refuses for float16) clamps nothing.
-    limit = torch.tensor(v, dtype=torch.float32 if v <= _FLOAT32_MAX else torch.float64)
-    limit = limit.to(tensors[0].dtype) if v <= _FLOAT32_MAX or tensors[0].dtype == torch.float64 \
-        else torch.tensor(math.inf, dtype=tensors[0].dtype)
+    limit = torch.tensor(v, dtype=tensors[0].dtype)  # rounded once, to the data's dtype
     clamped = torch.stack([(t.detach().abs() > limit.to(t.device)).sum() for t in tensors])
     if not math.isinf(limit.item()):
         ts = [t.detach() for t in tensors]
