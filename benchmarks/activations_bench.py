@@ -217,9 +217,9 @@ def count_capture_bytes(model, loss_fn) -> dict:
         with gradfuse.capture_activations(model) as cap:
             real_op = cap._stats_op(torch.device("cpu"))
 
-            def op(tensors, p):
+            def op(tensors):
                 seen["stats"] += sum(t.numel() * t.element_size() for t in tensors)
-                return real_op(tensors, p)
+                return real_op(tensors)
             cap._ops[torch.device("cpu")] = op
             loss_fn().backward()
     finally:

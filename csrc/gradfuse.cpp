@@ -17,6 +17,11 @@ TORCH_LIBRARY(gradfuse, m) {
   // sum |x|^norm_type when norm_type is not 0, 2 or inf) and int64 [n, 4] (NaN, Inf and zero
   // counts, numel). One pass over the data; no host synchronisation.
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
+  // The rows of multi_tensor_stats(tensors, 2) with column 3 (the power sum there) holding the
+  // sum of squared deviations from the mean, sum (x - mean)^2, accumulated about a shift taken
+  // from the data (common/stats_math.h): the variance without the cancellation of
+  // sum x^2 - (sum x)^2 / n. Same single pass.
+  m.def("multi_tensor_moments(Tensor[] tensors) -> (Tensor, Tensor)");
   // Multiplies every tensor in place by coef (a one-element tensor on the tensors' device). With
   // conditional=True (clipping) only when coef < 1 or NaN, touching no memory otherwise; the
   // decision is taken on the device. conditional=False always multiplies (AMP unscale + clip).

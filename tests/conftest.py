@@ -53,3 +53,15 @@ def cpu_capability(request):
     library.extension.set_cpu_capability(request.param)
     yield request.param
     library.extension.set_cpu_capability(before)
+
+
+@pytest.fixture
+def cpu_without_float64(monkeypatch):
+    """The CPU as a device without kernels and without float64 (Apple's MPS), for the float32
+    path of the reference; run the code under test in helpers.NoFloat64."""
+    from gradfuse.ops import library
+    monkeypatch.setattr(library, "KERNELS", {"cpu": False, "cuda": False})
+    monkeypatch.setattr(library, "OP_KERNELS", {key: False for key in library.OP_KERNELS})
+    monkeypatch.setattr(library, "_warned", {"cpu"})
+    monkeypatch.setattr(library, "NO_FLOAT64", {"mps", "cpu"})
+    gradfuse.core.walk_cache.clear()

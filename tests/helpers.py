@@ -1,6 +1,8 @@
 """Tolerances and comparisons against the float64 reference."""
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gradfuse.ops import reference
 
@@ -49,6 +51,36 @@ def assert_stats_close(tensors, got, norm_type=2.0, expected=None):
                 assert abs(a - b) <= tol, f"tensor {i} col {col}: {a} vs {b} (tol {tol})"
 
 
+def two_pass_m2(t: torch.Tensor) -> float:
+    """Sum of squared deviations from the mean, in float64 by two passes (the oracle of M2)."""
+    x = t.detach().cpu().double().reshape(-1)
+    return float(((x - x.mean()) ** 2).sum()) if x.numel() else 0.0
+
+
+def assert_moments_close(tensors, got, expected=None):
+    """multi_tensor_moments rows: M2 within 2e-5 relative of the float64 two-pass M2 (float
+    accumulators; 1e-12 for float64 data), NaN where a tensor holds NaN or Inf; every other column
+    as assert_stats_close (against the reference, or `expected`). Returns the oracle's M2s."""
+    f, c = got
+    other = None if expected is None else (expected[0].clone(), expected[1])
+    if other is not None:
+        other[0][:, 3] = 0
+    rest = f.clone()
+    rest[:, 3] = 0  # the power sum of norm_type 2 is 0 in the reference
+    assert_stats_close(tensors, (rest, c), 2.0, expected=other)
+    m2s = []
+    for i, t in enumerate(tensors):
+        m2 = two_pass_m2(t)
+        got_m2 = f[i, 3].item()
+        if not bool(t.detach().isfinite().all()):
+            assert got_m2 != got_m2, f"tensor {i}: expected NaN, got {got_m2}"
+        else:
+            rtol = 1e-12 if t.dtype == torch.float64 else 2e-5
+            assert abs(got_m2 - m2) <= rtol * m2, f"tensor {i} ({t.numel()} elements): M2 {got_m2} vs {m2}"
+        m2s.append(m2)
+    return m2s
+
+
 def assert_same_stats(a, b):
     """Bitwise equal GradStats: rows, names, total norm (value and dtype), clip coefficient."""
     assert a.names == b.names
@@ -76,3 +108,14 @@ def clone_named(named):
                 q.grad = torch.empty_strided(p.grad.shape, p.grad.stride(), dtype=p.grad.dtype).copy_(p.grad)
         out.append((name, q))
     return out
+
+
+class NoFloat64(TorchDispatchMode):
+    """Fails any op with a float64 tensor among its inputs or outputs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.float64, torch.complex128):
+                raise AssertionError(f"{func} used a {t.dtype} tensor")
+        return out

@@ -21,7 +21,13 @@ namespace gradfuse {
 
 // Which extra power sum a pass needs for the requested norm_type.
 // p == 2 and p == inf are read off sumsq and maxabs, p == 1 needs sum|x|, any other p needs pow.
-enum class PowMode : int { kNone = 0, kAbs = 1, kPow = 2 };
+// kMoments (multi_tensor_moments, norm_type 2) adds a stable second moment: the pass's parameter
+// is then a shift K (the tensor's first element, see moment_shift), `sum` accumulates x - K and
+// `powsum` (x - K)^2, and finish_moments turns them into the sum of x and the sum of squared
+// deviations from the mean. (sum x^2 - (sum x)^2 / n loses every digit when |mean| >> std; with
+// K taken from the data, x - K is of the size of the spread, and exact in float when x and K
+// are within a factor of 2 of each other.)
+enum class PowMode : int { kNone = 0, kAbs = 1, kPow = 2, kMoments = 3 };
 
 inline PowMode pow_mode_for(double norm_type) {
   // p == 0 (count of non-zeros) is read off the zero count and numel.
@@ -30,8 +36,10 @@ inline PowMode pow_mode_for(double norm_type) {
   return PowMode::kPow;
 }
 
-// Columns of the float statistics, per chunk and per tensor.
+// Columns of the float statistics, per chunk and per tensor. The rows of multi_tensor_moments
+// hold the sum of squared deviations from the mean (M2) in place of the power sum.
 enum FloatStat : int { kSum = 0, kSumSq = 1, kMaxAbs = 2, kPowSum = 3, kNumFloatStats = 4 };
+constexpr int kM2 = kPowSum;
 // Columns of the count statistics. Numel is not accumulated: the finalise step writes it, so
 // the per-tensor results carry everything the Python side needs without a host-to-device copy.
 enum CountStat : int { kNanCount = 0, kInfCount = 1, kZeroCount = 2, kNumel = 3, kNumCountStats = 4 };
@@ -82,6 +90,15 @@ struct StatsAcc {
     if (nan_count > 0) maxabs = acc_t(NAN);
   }
 
+  // kMoments, once per tensor, on its combined row (acc_t double): sum (of x - shift) becomes
+  // the sum of x, powsum (of (x - shift)^2) the sum of squared deviations from the mean.
+  C10_HOST_DEVICE inline void finish_moments(acc_t shift, int64_t n) {
+    if (n == 0) return;
+    const acc_t m2 = powsum - sum * (sum / acc_t(n));
+    powsum = m2 > acc_t(0) ? m2 : (m2 == m2 ? acc_t(0) : m2);  // rounding can leave a tiny negative
+    sum += acc_t(n) * shift;
+  }
+
   C10_HOST_DEVICE static inline StatsAcc load(const acc_t* floats, const int64_t* counts) {
     StatsAcc s;
     s.sum = floats[kSum];
@@ -120,11 +137,18 @@ struct ElementAcc {
   acc_t powsum = 0;
   ElemCount zero = 0;
 
+  // p: the power of kPow, the shift of kMoments.
   template <PowMode mode>
   C10_HOST_DEVICE inline void add(acc_t x, acc_t p) {
     // fabs, not x < 0 ? -x : x, which keeps -0.0 negative: pow(-0.0, p < 0) is -inf.
     const acc_t a = ::fabs(x);
-    sum += x;
+    if (mode == PowMode::kMoments) {
+      const acc_t d = x - p;
+      sum += d;
+      powsum += d * d;
+    } else {
+      sum += x;
+    }
     sumsq += x * x;
     maxabs = max_ignoring_nan(maxabs, a);
     if (mode == PowMode::kAbs) {
@@ -145,6 +169,14 @@ struct ElementAcc {
     return s;
   }
 };
+
+// The shift of kMoments for a tensor whose first element is x0: x0 itself when finite (any
+// element of the data keeps x - K of the size of the spread), else 0 (a NaN or Inf row's
+// moments are NaN in any case, and its sum must stay what an unshifted sum gives).
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t moment_shift(acc_t x0) {
+  return ::fabs(x0) < acc_t(INFINITY) ? x0 : acc_t(0);
+}
 
 // Pass 2, for chunks with a NaN or Inf somewhere.
 struct NonfiniteCount {

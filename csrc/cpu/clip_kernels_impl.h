@@ -45,6 +45,7 @@ void unit_stats_dispatch(const UnitArgs& args, PowMode mode, double p, int64_t b
     case PowMode::kNone: return unit_stats_typed<scalar_t, PowMode::kNone>(args, p, begin, end, f, cp);
     case PowMode::kAbs: return unit_stats_typed<scalar_t, PowMode::kAbs>(args, p, begin, end, f, cp);
     case PowMode::kPow: return unit_stats_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp);
+    case PowMode::kMoments: break;  // whole tensors only (multi_tensor_moments)
   }
 }
 

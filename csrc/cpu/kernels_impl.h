@@ -1,8 +1,8 @@
 // Per-chunk CPU kernels, compiled once per instruction set (CPU_CAPABILITY is DEFAULT or AVX2).
 //
 // Statistics: the two passes of stats_math.h, as the CUDA kernel runs them. Pass 1 keeps sum,
-// sum of squares, max |x|, zero count (and sum |x|^p when the norm needs it) in independent
-// vector lanes; its scalar tail is ElementAcc::add itself. Pass 2 (NaN and Inf counts) runs only
+// sum of squares, max |x|, zero count (and sum |x|^p when the norm needs it; with kMoments, sum
+// and powsum of x - K) in independent vector lanes; its scalar tail is ElementAcc::add itself. Pass 2 (NaN and Inf counts) runs only
 // on a chunk whose sum of squares is not finite.
 #pragma once
 
@@ -57,6 +57,15 @@ int64_t for_each_vector_pair(const scalar_t* x, int64_t n, F&& f) {
   return i;
 }
 
+// Whether a zero-padded last vector step leaves the sums as they are: not for |x|^p with p <= 0
+// (the raw op; gradfuse sends p < 0 elsewhere), nor for kMoments, whose padded zeros would add
+// (0 - K) and K^2 (taken off again, K^2 would swamp the sum of squared deviations). Those
+// tails (< one step) take ElementAcc::add instead.
+template <PowMode mode>
+inline bool padding_adds_nothing(double p) {
+  return mode != PowMode::kMoments && (mode != PowMode::kPow || p > 0);
+}
+
 // Lane sums. A float sum of thousands of values in sequence drifts from float64 (each addition
 // rounds at the size of the running sum), so they are blocked: each stream's running sums take
 // kRun steps, then both streams fold into `mid`, which folds into `top` every kRun runs. A lane
@@ -75,6 +84,20 @@ struct LaneSums {
   }
 };
 
+// The sums of one vector of x into r (the AVX2 loops; Lanes::add does the same): x and x^2, or
+// with kMoments x - K (shift: K in every lane), x^2 and (x - K)^2.
+template <PowMode mode, typename acc_t>
+inline void add_sums(LaneSums<acc_t>& r, const Vectorized<acc_t>& x, const Vectorized<acc_t>& shift) {
+  if constexpr (mode == PowMode::kMoments) {
+    const Vectorized<acc_t> d = x - shift;
+    r.sum = r.sum + d;
+    r.powsum = at::vec::fmadd(d, d, r.powsum);
+  } else {
+    r.sum = r.sum + x;
+  }
+  r.sumsq = at::vec::fmadd(x, x, r.sumsq);
+}
+
 // Pass 1 of one vector stream.
 template <typename acc_t>
 struct Lanes {
@@ -82,11 +105,11 @@ struct Lanes {
   LaneSums<acc_t> run;
   V maxabs, zero;
 
+  // p: the power of kPow, the shift of kMoments (as ElementAcc::add).
   template <PowMode mode>
   inline void add(const V& x, const V& p) {
     const V a = x.abs();
-    run.sum = run.sum + x;
-    run.sumsq = at::vec::fmadd(x, x, run.sumsq);
+    add_sums<mode>(run, x, p);
     maxabs = at::vec::clamp_min(a, maxabs);  // ignores NaN, as on the GPU; pass 2 restores it
     zero = zero + x.eq(V(acc_t(0)));  // eq gives 1 or 0 per lane
     if constexpr (mode == PowMode::kAbs) run.powsum = run.powsum + a;
@@ -126,7 +149,7 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
   // tensor's work.
   const int64_t rem = n - done;
   int64_t padded = 0;
-  if (rem > 0 && (mode != PowMode::kPow || p > 0)) {
+  if (rem > 0 && padding_adds_nothing<mode>(p)) {
     scalar_t buf[kPairElems<scalar_t>];
     std::memset(static_cast<void*>(buf), 0, sizeof(buf));
     std::memcpy(static_cast<void*>(buf), x + done, rem * sizeof(scalar_t));
@@ -154,7 +177,7 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
     s.zero += static_cast<int64_t>(b_zero[i]);
   }
   s.zero -= padded;
-  ElementAcc<acc_t> tail;  // only for |x|^p with p <= 0 (the raw op; gradfuse sends p < 0 elsewhere)
+  ElementAcc<acc_t> tail;  // see padding_adds_nothing
   for (int64_t i = done; i < n; ++i) tail.template add<mode>(static_cast<acc_t>(x[i]), acc_t(p));
   s.combine(tail.stats());
   return s;
@@ -268,10 +291,8 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   LaneSums<float> r0 = no_sums, r1 = no_sums, mid = no_sums, top = no_sums;
   const auto step = [&](__m256 lo, __m256 hi, LaneSums<float>& r0, LaneSums<float>& r1) {
     const VA l(lo), h(hi);
-    r0.sum = r0.sum + l;
-    r0.sumsq = at::vec::fmadd(l, l, r0.sumsq);
-    r1.sum = r1.sum + h;
-    r1.sumsq = at::vec::fmadd(h, h, r1.sumsq);
+    add_sums<mode>(r0, l, pv);
+    add_sums<mode>(r1, h, pv);
     mx0 = _mm256_max_ps(mx0, lo);
     mn0 = _mm256_min_ps(mn0, lo);
     mx1 = _mm256_max_ps(mx1, hi);
@@ -305,7 +326,7 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   }
   const int64_t rem = n - i;
   int64_t padded = 0;
-  if (rem > 0 && (mode != PowMode::kPow || p > 0)) {  // zero-padded, as in reduce_vectorized
+  if (rem > 0 && padding_adds_nothing<mode>(p)) {  // zero-padded, as in reduce_vectorized
     const __m256 lo = rem >= 8 ? _mm256_loadu_ps(x + i) : load_tail_ps(x + i, rem);
     const __m256 hi = rem > 8 ? load_tail_ps(x + i + 8, rem - 8) : zero_ps;
     step(lo, hi, r0, r1);
@@ -321,7 +342,7 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   const __m256 neg_min = _mm256_sub_ps(zero_ps, _mm256_min_ps(mn0, mn1));
   s.maxabs = hmax_ps(_mm256_max_ps(_mm256_max_ps(mx0, mx1), neg_min));
   s.zero = hsum_epi32(_mm256_add_epi32(z0, z1)) - padded;
-  ElementAcc<float> tail;  // only for |x|^p with p <= 0, as in reduce_vectorized
+  ElementAcc<float> tail;  // see padding_adds_nothing
   for (; i < n; ++i) tail.template add<mode>(x[i], static_cast<float>(p));
   s.combine(tail.stats());
   return s;
@@ -354,11 +375,9 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
     __m256 lo, hi;
     widen16<scalar_t>(v, lo, hi);
     const VA l(lo), h(hi);
-    r0.sum = r0.sum + l;
-    r0.sumsq = at::vec::fmadd(l, l, r0.sumsq);
-    r1.sum = r1.sum + h;
-    r1.sumsq = at::vec::fmadd(h, h, r1.sumsq);
-    if constexpr (mode != PowMode::kNone) {
+    add_sums<mode>(r0, l, pv);
+    add_sums<mode>(r1, h, pv);
+    if constexpr (mode == PowMode::kAbs || mode == PowMode::kPow) {
       __m256 alo, ahi;
       widen16<scalar_t>(a, alo, ahi);  // |x|, exactly
       if constexpr (mode == PowMode::kAbs) {
@@ -397,7 +416,7 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
   }
   const int64_t rem = n - i;
   int64_t padded = 0;
-  if (rem > 0 && (mode != PowMode::kPow || p > 0)) {  // zero-padded, as in reduce_vectorized
+  if (rem > 0 && padding_adds_nothing<mode>(p)) {  // zero-padded, as in reduce_vectorized
     alignas(32) uint16_t buf[kStep] = {};
     std::memcpy(buf, x + i, rem * sizeof(scalar_t));
     step(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)), r0, r1);
@@ -426,7 +445,7 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
   }
   s.maxabs = float_of_bits16<scalar_t>(max_abs_bits);
   s.zero -= padded;
-  ElementAcc<float> tail;  // only for |x|^p with p <= 0, as in reduce_vectorized
+  ElementAcc<float> tail;  // see padding_adds_nothing
   for (; i < n; ++i) tail.template add<mode>(static_cast<float>(x[i]), static_cast<float>(p));
   s.combine(tail.stats());
   return s;
@@ -458,6 +477,13 @@ inline StatsAcc<acc_of<scalar_t>> reduce_chunk(const scalar_t* x, int64_t n, dou
 }
 
 // StatsTensorsFn (kernels.h) for one dtype and mode.
+template <typename scalar_t>
+double tensor_shift(const Span& span) {
+  return span.numel ? static_cast<double>(moment_shift(static_cast<acc_of<scalar_t>>(
+                          static_cast<const scalar_t*>(span.data)[0])))
+                    : 0.0;
+}
+
 template <typename scalar_t, PowMode mode>
 void stats_tensors_typed(const ChunkArgs& args, double p, int64_t begin, int64_t end,
                          acc_of<scalar_t>* float_partials, int64_t* count_partials,
@@ -475,6 +501,8 @@ void stats_tensors_typed(const ChunkArgs& args, double p, int64_t begin, int64_t
     if (t + kAhead < n) __builtin_prefetch(args.spans[t + kAhead].data);
     const Span span = args.spans[t];
     const auto* x = static_cast<const scalar_t*>(span.data);
+    // kMoments: the pass's parameter is the tensor's shift (the same for all of its chunks)
+    const double param = mode == PowMode::kMoments ? tensor_shift<scalar_t>(span) : p;
     const int64_t c0 = std::max(fc[t], begin), c1 = std::min(fc[t + 1], end);
     // What is read after each chunk (for its prefetch): the next chunk, or the next tensor.
     const char* next_tensor = t + 1 < n ? static_cast<const char*>(args.spans[t + 1].data) : nullptr;
@@ -485,15 +513,16 @@ void stats_tensors_typed(const ChunkArgs& args, double p, int64_t begin, int64_t
       StatsAcc<double> s;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t offset = (c - fc[t]) * kChunkElems;
-        s.combine(reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), p,
+        s.combine(reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), param,
                                                after(c, offset)));
       }
+      if constexpr (mode == PowMode::kMoments) s.finish_moments(param, span.numel);
       s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
       out_c[t * kNumCountStats + kNumel] = span.numel;
     } else {  // a part: its chunks' partials
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t offset = (c - fc[t]) * kChunkElems;
-        reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), p, after(c, offset))
+        reduce_chunk<scalar_t, mode>(x + offset, std::min(kChunkElems, span.numel - offset), param, after(c, offset))
             .store(float_partials + c * kNumFloatStats, count_partials + c * kNumCountStats);
       }
     }
@@ -508,6 +537,7 @@ void stats_tensors_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, 
     case PowMode::kNone: return stats_tensors_typed<scalar_t, PowMode::kNone>(args, p, begin, end, f, cp, of, oc);
     case PowMode::kAbs: return stats_tensors_typed<scalar_t, PowMode::kAbs>(args, p, begin, end, f, cp, of, oc);
     case PowMode::kPow: return stats_tensors_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp, of, oc);
+    case PowMode::kMoments: return stats_tensors_typed<scalar_t, PowMode::kMoments>(args, p, begin, end, f, cp, of, oc);
   }
 }
 
@@ -532,6 +562,7 @@ void stats_chunks_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, i
     case PowMode::kNone: return stats_chunks_typed<scalar_t, PowMode::kNone>(args, p, begin, end, f, cp);
     case PowMode::kAbs: return stats_chunks_typed<scalar_t, PowMode::kAbs>(args, p, begin, end, f, cp);
     case PowMode::kPow: return stats_chunks_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp);
+    case PowMode::kMoments: break;  // whole tensors only (stats_tensors)
   }
 }
 

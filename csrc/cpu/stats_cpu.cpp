@@ -7,6 +7,7 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../common/engine.h"
@@ -87,15 +88,25 @@ constexpr int64_t kMinBytesPerThread = 1 << 20;
 // Bytes per block of chunks that a thread takes at a time (stats_of_inputs).
 constexpr int64_t kBlockBytes = 4 << 20;
 
+// The shift of a kMoments pass over span (the kernels' tensor_shift).
+double shift_of(const Span& span, at::ScalarType dtype) {
+  if (span.numel == 0) return 0.0;
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gradfuse_shift", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    return static_cast<double>(moment_shift(static_cast<acc_t>(static_cast<const scalar_t*>(span.data)[0])));
+  });
+}
+
 // Combines the chunk partials of tensor t, in chunk order, in double (as the kernels combine the
 // chunks of a tensor that lies in one range).
 template <typename acc_t>
 void finalize_tensor(const StatsInputs& in, int64_t t, const acc_t* fp, const int64_t* cp,
-                     double* out_f, int64_t* out_c) {
+                     PowMode mode, at::ScalarType dtype, double* out_f, int64_t* out_c) {
   StatsAcc<double> s;
   for (int64_t c = in.first_chunk[t]; c < in.first_chunk[t + 1]; ++c) {
     s.combine(StatsAcc<acc_t>::load(fp + c * kNumFloatStats, cp + c * kNumCountStats));
   }
+  if (mode == PowMode::kMoments) s.finish_moments(shift_of(in.spans[t], dtype), in.spans[t].numel);
   s.store(out_f + t * kNumFloatStats, out_c + t * kNumCountStats);
   out_c[t * kNumCountStats + kNumel] = in.spans[t].numel;
 }
@@ -103,13 +114,13 @@ void finalize_tensor(const StatsInputs& in, int64_t t, const acc_t* fp, const in
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::ScalarType dtype,
-                                                   double norm_type) {
+                                                   double norm_type, bool moments) {
   const auto n = static_cast<int64_t>(in.spans.size());
   auto out_f = at::empty({n, kNumFloatStats}, at::TensorOptions().dtype(at::kDouble));
   auto out_c = at::empty({n, kNumCountStats}, at::TensorOptions().dtype(at::kLong));
   const ChunkArgs args{in.spans.data(), n, in.first_chunk.data(), dtype};
   const int64_t num_chunks = in.first_chunk.back();
-  const PowMode mode = pow_mode_for(norm_type);
+  const PowMode mode = moments ? PowMode::kMoments : pow_mode_for(norm_type);
   const auto kern = kernels_for(active_cpu_capability());
   double* of = out_f.data_ptr<double>();
   int64_t* oc = out_c.data_ptr<int64_t>();
@@ -150,9 +161,9 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
     if (in.first_chunk[t] == e || t == last) continue;  // starts at e: not split
     last = t;
     if (dtype == at::kDouble) {
-      finalize_tensor(in, t, static_cast<const double*>(fp), cp, of, oc);
+      finalize_tensor(in, t, static_cast<const double*>(fp), cp, mode, dtype, of, oc);
     } else {
-      finalize_tensor(in, t, static_cast<const float*>(fp), cp, of, oc);
+      finalize_tensor(in, t, static_cast<const float*>(fp), cp, mode, dtype, of, oc);
     }
   }
   return {out_f, out_c};
@@ -160,15 +171,22 @@ std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::Sc
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors,
-                                                          double norm_type) {
-  constexpr const char* kOp = "gradfuse.multi_tensor_stats";
+std::tuple<at::Tensor, at::Tensor> stats_rows_cpu(at::TensorList tensors, double norm_type,
+                                                  bool moments, const char* op) {
   if (tensors.empty()) {
     return {at::empty({0, kNumFloatStats}, at::TensorOptions().dtype(at::kDouble)),
             at::empty({0, kNumCountStats}, at::TensorOptions().dtype(at::kLong))};
   }
-  const StatsInputs in = read_stats_inputs(tensors, kOp);
-  return stats_of_inputs(in, tensors[0].scalar_type(), norm_type);
+  const StatsInputs in = read_stats_inputs(tensors, op);
+  return stats_of_inputs(in, tensors[0].scalar_type(), norm_type, moments);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_cpu(at::TensorList tensors, double norm_type) {
+  return stats_rows_cpu(tensors, norm_type, false, "gradfuse.multi_tensor_stats");
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_moments_cpu(at::TensorList tensors) {
+  return stats_rows_cpu(tensors, 2.0, true, "gradfuse.multi_tensor_moments");
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
@@ -192,6 +210,7 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool
 
 TORCH_LIBRARY_IMPL(gradfuse, CPU, m) {
   m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);
+  m.impl("multi_tensor_moments", &multi_tensor_moments_cpu);
   m.impl("multi_tensor_scale_", &multi_tensor_scale_cpu);
 }
 

@@ -42,8 +42,9 @@ struct StatsInputs {
 };
 
 // gradfuse::multi_tensor_stats (CPU) on inputs read already (finish() called, at least one
-// tensor): the same kernels, thread split and results, bit for bit, as the op.
+// tensor): the same kernels, thread split and results, bit for bit, as the op. moments: the rows
+// of multi_tensor_moments instead (norm_type 2).
 std::tuple<at::Tensor, at::Tensor> stats_of_inputs(const StatsInputs& in, at::ScalarType dtype,
-                                                   double norm_type);
+                                                   double norm_type, bool moments = false);
 
 }  // namespace gradfuse::cpu

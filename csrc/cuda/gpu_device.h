@@ -19,6 +19,7 @@ namespace gradfuse::cuda {
 struct Gpu {
   static constexpr c10::DeviceType kType = c10::DeviceType::CUDA;
   static constexpr const char* kStatsOp = "gradfuse.multi_tensor_stats";
+  static constexpr const char* kMomentsOp = "gradfuse.multi_tensor_moments";
   static constexpr const char* kScaleOp = "gradfuse.multi_tensor_scale_";
   static constexpr const char* kUnitStatsOp = "gradfuse.multi_tensor_unit_stats";
   static constexpr const char* kUnitScaleOp = "gradfuse.multi_tensor_unit_scale_";

@@ -68,11 +68,23 @@ struct StatsOp {
   acc_t p;
   acc_t* part_f;
   int64_t* part_c;
+  double* shifts;  // kMoments (whole-tensor tables): each result row's shift, for the finalize
 
   template <typename Table>
   __device__ void operator()(const Table& table, const UnitItem& it) const {
     const scalar_t* x = static_cast<const scalar_t*>(table.data[it.tensor]) + it.offset;
     const int tid = static_cast<int>(threadIdx.x);
+    if constexpr (mode == PowMode::kMoments) {
+      static_assert(!Table::kHasUnits, "moments of whole tensors only");
+      // The tensor's shift, the same in every chunk: one load per block, from L2 after the first.
+      const acc_t shift = moment_shift(static_cast<acc_t>(static_cast<const scalar_t*>(table.data[it.tensor])[0]));
+      const auto s = range_stats<kThreads, mode>(x, static_cast<int>(it.n), tid, shift);
+      if (tid == 0) {
+        store(s, it.prow);
+        if (it.offset == 0) shifts[result_row(table, it)] = shift;
+      }
+      return;
+    }
     if (Table::kHasUnits && it.packed) {  // uniform over the block
       for (int64_t k = tid / 32; k < it.num_units; k += kWarps) {
         const auto s = range_stats<32, mode>(x + k * it.unit_len, static_cast<int>(it.unit_len), tid % 32, p);
@@ -236,19 +248,25 @@ hist_finalize_kernel(const __grid_constant__ Table table, const int64_t* __restr
 // unit (UnitSpan, UnitPlan; the spans' rows must be consecutive: every unit of the call).
 // part_f/part_c hold a row per chunk / partial row of the plan, out_f/out_c one per result row
 // (kNumFloatStats doubles, kNumCountStats int64s).
+// kMoments (whole-tensor spans only): `shifts` holds a double per result row, written by the
+// items and read by the finalize.
 template <typename scalar_t, typename SpanT, typename Plan, typename Stream>
 void launch_stats(const std::vector<SpanT>& spans, const Plan& plan, PowMode mode, double p,
-                  acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c, Stream stream) {
+                  acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c, Stream stream,
+                  double* shifts = nullptr) {
   using acc_t = acc_of<scalar_t>;
   for_each_table(spans, plan, [&](const auto& table) {
+    using Table = std::decay_t<decltype(table)>;
     if (mode == PowMode::kNone) {
-      launch_items(table, StatsOp<scalar_t, PowMode::kNone>{acc_t(p), part_f, part_c}, stream);
+      launch_items(table, StatsOp<scalar_t, PowMode::kNone>{acc_t(p), part_f, part_c, nullptr}, stream);
     } else if (mode == PowMode::kAbs) {
-      launch_items(table, StatsOp<scalar_t, PowMode::kAbs>{acc_t(p), part_f, part_c}, stream);
-    } else {
-      launch_items(table, StatsOp<scalar_t, PowMode::kPow>{acc_t(p), part_f, part_c}, stream);
+      launch_items(table, StatsOp<scalar_t, PowMode::kAbs>{acc_t(p), part_f, part_c, nullptr}, stream);
+    } else if (mode == PowMode::kPow) {
+      launch_items(table, StatsOp<scalar_t, PowMode::kPow>{acc_t(p), part_f, part_c, nullptr}, stream);
+    } else if constexpr (!Table::kHasUnits) {
+      launch_items(table, StatsOp<scalar_t, PowMode::kMoments>{acc_t(0), part_f, part_c, shifts}, stream);
     }
-    launch_finalize<acc_t>(table, part_f, part_c, nullptr, out_f, out_c, nullptr, stream);
+    launch_finalize<acc_t>(table, part_f, part_c, nullptr, out_f, out_c, nullptr, stream, shifts);
   });
 }
 

@@ -296,12 +296,14 @@ __device__ inline RowParts row_parts(const Table& table, int64_t row) {
 
 // Statistics, second stage: one warp per result row of the table; lane l takes the row's partial
 // rows l, l+32, ... in order, then a fixed tree. `part_extra` (optional): one count per partial
-// row (the clamp's), summed into out_extra. Rows without elements get their zero row here.
+// row (the clamp's), summed into out_extra. `shifts` (optional, kMoments): the row's shift, for
+// StatsAcc::finish_moments. Rows without elements get their zero row here.
 template <typename acc_t, typename Table>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
 finalize_kernel(const __grid_constant__ Table table, const acc_t* __restrict__ part_f,
                 const int64_t* __restrict__ part_c, const int64_t* __restrict__ part_extra,
-                double* __restrict__ out_f, int64_t* __restrict__ out_c, int64_t* __restrict__ out_extra) {
+                double* __restrict__ out_f, int64_t* __restrict__ out_c, int64_t* __restrict__ out_extra,
+                const double* __restrict__ shifts) {
   const int64_t row = rows_begin(table) + int64_t(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
   if (row >= rows_end(table)) return;  // whole warps
   const int lane = threadIdx.x % 32;
@@ -316,6 +318,7 @@ finalize_kernel(const __grid_constant__ Table table, const acc_t* __restrict__ p
 #pragma unroll
   for (int delta = 16; delta > 0; delta /= 2) extra += __shfl_down_sync(0xffffffffu, extra, delta);
   if (lane == 0) {
+    if (shifts != nullptr && parts.len > 0) s.finish_moments(shifts[row], parts.len);
     s.store(out_f + row * kNumFloatStats, out_c + row * kNumCountStats);
     out_c[row * kNumCountStats + kNumel] = parts.len;
     if (out_extra) out_extra[row] = extra;
@@ -385,12 +388,13 @@ void launch_items(const Table& table, const Op& op, Stream stream) {
 
 template <typename acc_t, typename Table, typename Stream>
 void launch_finalize(const Table& table, const acc_t* part_f, const int64_t* part_c, const int64_t* part_extra,
-                     double* out_f, int64_t* out_c, int64_t* out_extra, Stream stream) {
+                     double* out_f, int64_t* out_c, int64_t* out_extra, Stream stream,
+                     const double* shifts = nullptr) {
   const int64_t rows = rows_end(table) - rows_begin(table);
   if (rows == 0) return;
   auto* finalize = &finalize_kernel<acc_t, Table>;
   GRADFUSE_LAUNCH(finalize, static_cast<unsigned>((rows + kFinalizeWarps - 1) / kFinalizeWarps),
-                  kFinalizeWarps * 32, stream, table, part_f, part_c, part_extra, out_f, out_c, out_extra);
+                  kFinalizeWarps * 32, stream, table, part_f, part_c, part_extra, out_f, out_c, out_extra, shifts);
 }
 
 // Calls f(scalar_t{}) for a floating dtype the kernels take (checked by the caller), so that the

@@ -3,7 +3,7 @@
 // emulation that runs the same kernels on CPU tensors in the tests (tests/cuda_emu). A Device
 // supplies:
 //   kType            the tensors' device type
-//   kStatsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp
+//   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp
 //                    the ops' names, for error messages
 //   Guard            constructed from the tensors' device (the GPU's CUDAGuard)
 //   stream()         the stream to launch on
@@ -28,22 +28,26 @@ inline std::tuple<at::Tensor, at::Tensor> no_rows() {
   return {at::empty({0, kNumFloatStats}, at::dtype(at::kDouble)), at::empty({0, kNumCountStats}, at::dtype(at::kLong))};
 }
 
-// Statistics rows of a group (DenseGroup: per tensor; UnitGroup: per unit), `rows` of them.
+// Statistics rows of a group (DenseGroup: per tensor; UnitGroup: per unit), `rows` of them;
+// `moments`: the rows of multi_tensor_moments (DenseGroup, norm_type 2).
 template <typename Device, typename Group>
 std::tuple<at::Tensor, at::Tensor> stats_rows(const Group& group, const at::Tensor& first, int64_t rows,
-                                              int64_t part_rows, double norm_type) {
+                                              int64_t part_rows, double norm_type, bool moments = false) {
   const auto opts = first.options();
   const auto dtype = first.scalar_type();
   auto part_f = Device::empty({std::max<int64_t>(part_rows, 1), kNumFloatStats}, opts.dtype(partial_dtype(dtype)));
   auto part_c = Device::empty({std::max<int64_t>(part_rows, 1), kNumCountStats}, opts.dtype(at::kLong));
   auto out_f = Device::empty({rows, kNumFloatStats}, opts.dtype(at::kDouble));
   auto out_c = Device::empty({rows, kNumCountStats}, opts.dtype(at::kLong));
+  at::Tensor shifts;
+  if (moments) shifts = Device::empty({rows}, opts.dtype(at::kDouble));
   const auto stream = Device::stream();
   dispatch_float(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    launch_stats<scalar_t>(group.spans, group.plan, pow_mode_for(norm_type), norm_type,
+    launch_stats<scalar_t>(group.spans, group.plan, moments ? PowMode::kMoments : pow_mode_for(norm_type), norm_type,
                            static_cast<acc_of<scalar_t>*>(part_f.data_ptr()), part_c.template data_ptr<int64_t>(),
-                           out_f.template data_ptr<double>(), out_c.template data_ptr<int64_t>(), stream);
+                           out_f.template data_ptr<double>(), out_c.template data_ptr<int64_t>(), stream,
+                           moments ? shifts.template data_ptr<double>() : nullptr);
   });
   return {out_f, out_c};
 }
@@ -55,6 +59,16 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_stats_on(at::TensorList tensors,
   const typename Device::Guard guard(tensors[0].device());
   const DenseGroup group(tensors);
   return stats_rows<Device>(group, tensors[0], static_cast<int64_t>(tensors.size()), group.plan.num_chunks(), norm_type);
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_moments_on(at::TensorList tensors) {
+  check_group(tensors, Device::kMomentsOp, Device::kType);
+  if (tensors.empty()) return no_rows();
+  const typename Device::Guard guard(tensors[0].device());
+  const DenseGroup group(tensors);
+  return stats_rows<Device>(group, tensors[0], static_cast<int64_t>(tensors.size()), group.plan.num_chunks(), 2.0,
+                            true);
 }
 
 template <typename Device>

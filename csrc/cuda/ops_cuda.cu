@@ -11,6 +11,7 @@ namespace gradfuse::cuda {
 
 TORCH_LIBRARY_IMPL(gradfuse, CUDA, m) {
   m.impl("multi_tensor_stats", &multi_tensor_stats_on<Gpu>);
+  m.impl("multi_tensor_moments", &multi_tensor_moments_on<Gpu>);
   m.impl("multi_tensor_scale_", &multi_tensor_scale_on<Gpu>);
   m.impl("multi_tensor_unit_stats", &multi_tensor_unit_stats_on<Gpu>);
   m.impl("multi_tensor_unit_scale_", &multi_tensor_unit_scale_on<Gpu>);

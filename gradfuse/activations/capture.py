@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import sys
 import warnings
@@ -69,7 +70,7 @@ from torch import nn
 
 from gradfuse import ops
 from gradfuse.core.grad_stats import GradStats, layer_of
-from gradfuse.ops.layout import INF, NAN, SUM, SUMSQ, ZERO
+from gradfuse.ops.layout import INF, M2, NAN, SUM, SUMSQ, ZERO
 
 ROOT_NAME = "(root)"
 _CHANNEL_MODULES = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm,
@@ -106,6 +107,17 @@ def _floating_outputs(output, prefix: str = "", depth: int = 0) -> list[tuple[st
         for f in dataclasses.fields(output):
             out += _floating_outputs(getattr(output, f.name, None), f"{prefix}.{f.name}", depth + 1)
     return out
+
+
+def merged_m2(rows: list[tuple[int, float, float]]) -> float:
+    """The sum of squared deviations from the common mean of several rows, each given as
+    ``(numel, sum, m2)``: ``sum m2_i + sum n_i (mean_i - mean)^2`` (Chan, Golub and LeVeque),
+    with no cancellation between large sums."""
+    n = sum(k for k, _, _ in rows)
+    if n == 0:
+        return 0.0
+    mean = sum(s for _, s, _ in rows) / n
+    return sum(m2 + (k * (s / k - mean) ** 2 if k else 0.0) for k, s, m2 in rows)
 
 
 def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -247,9 +259,10 @@ class ActivationStats(GradStats):
         return self._memo("std", self._std)
 
     def _std(self) -> torch.Tensor:
-        n = self.numel.to(torch.float64)
-        var = (self.floats[:, SUMSQ] - self.floats[:, SUM] ** 2 / n.clamp(min=1)) / (n - 1)
-        return torch.where(n > 1, var.clamp(min=0), math.nan).sqrt()
+        # M2, the sum of squared deviations, comes from the kernels' shifted accumulation: no
+        # cancellation however far the values sit from zero
+        n = self.numel.to(self.floats.dtype)
+        return torch.where(n > 1, self.floats[:, M2] / (n - 1), math.nan).sqrt()
 
     @property
     def rms(self) -> torch.Tensor:
@@ -262,16 +275,17 @@ class ActivationStats(GradStats):
     def _read_extra(self) -> list[list[float]]:
         if not len(self.names):
             return []
-        packed = torch.stack([self.std, self.dead_units.to(self.std.device, torch.float64),
-                              self.units.to(self.std.device, torch.float64),
-                              self.floats[:, SUM], self.floats[:, SUMSQ]], 1)
+        dt = self.floats.dtype
+        packed = torch.stack([self.std, self.dead_units.to(self.std.device, dt),
+                              self.units.to(self.std.device, dt),
+                              self.floats[:, SUM], self.floats[:, SUMSQ], self.floats[:, M2]], 1)
         return packed.cpu().tolist()
 
     def to_dict(self) -> dict:
         """As ``GradStats.to_dict``, each row also with ``module``, ``std``, ``rms``,
         ``dead_units``, ``units`` and ``dead_fraction``."""
         d = super().to_dict()
-        for (name, row), module, (std, dead, units, _s, _q) in zip(
+        for (name, row), module, (std, dead, units, *_sums) in zip(
                 d["params"].items(), self.modules, self._extra_host()):
             row.update(module=module, std=std, rms=row["l2"] / math.sqrt(max(row["numel"], 1)),
                        dead_units=int(dead), units=int(units), dead_fraction=dead / units if units else 0.0)
@@ -281,17 +295,20 @@ class ActivationStats(GradStats):
         """Per layer (module path up to its first block index, as ``GradStats.layers`` groups
         parameters; ``depth``: that many leading name parts), over every row of its modules:
         ``numel``, ``l2``, ``rms``, ``linf``, ``mean``, ``std``, NaN / Inf / zero counts,
-        ``zero_fraction``, ``dead_units``, ``units``, ``dead_fraction`` and ``rows``."""
+        ``zero_fraction``, ``dead_units``, ``units``, ``dead_fraction`` and ``rows``. The layer's
+        ``std`` merges its rows' means and sums of squared deviations (Chan et al.), as stable as
+        each row's."""
         d = self.to_dict()
         out: dict[str, dict] = {}
-        for (name, r), (_std, _dead, _units, s, q) in zip(d["params"].items(), self._extra_host()):
+        for (name, r), (_std, _dead, _units, s, q, m2) in zip(d["params"].items(), self._extra_host()):
             key = layer_of(r["module"] + ".out", depth)
-            agg = out.setdefault(key, {"numel": 0, "sum": 0.0, "sumsq": 0.0, "linf": 0.0,
-                                       "nan_count": 0, "inf_count": 0, "zero_count": 0,
+            agg = out.setdefault(key, {"numel": 0, "sum": 0.0, "sumsq": 0.0, "moments": [],
+                                       "linf": 0.0, "nan_count": 0, "inf_count": 0, "zero_count": 0,
                                        "dead_units": 0, "units": 0, "rows": 0})
             agg["numel"] += r["numel"]
             agg["sum"] += s
             agg["sumsq"] += q
+            agg["moments"].append((r["numel"], s, m2))
             agg["linf"] = r["linf"] if math.isnan(r["linf"]) or r["linf"] > agg["linf"] else agg["linf"]
             for k in ("nan_count", "inf_count", "zero_count", "dead_units", "units"):
                 agg[k] += r[k]
@@ -302,7 +319,7 @@ class ActivationStats(GradStats):
             agg["l2"] = math.sqrt(q)
             agg["rms"] = math.sqrt(q / max(n, 1))
             agg["mean"] = s / max(n, 1)
-            agg["std"] = math.sqrt(max(q - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
+            agg["std"] = math.sqrt(merged_m2(agg.pop("moments")) / (n - 1)) if n > 1 else math.nan
             agg["zero_fraction"] = agg["zero_count"] / max(n, 1)
             agg["dead_fraction"] = agg["dead_units"] / agg["units"] if agg["units"] else 0.0
         return out
@@ -501,10 +518,19 @@ class ActivationCapture:
         return hook
 
     def _stats_op(self, device: torch.device):
+        """The rows with the sum of squared deviations (``multi_tensor_moments``; trace mode,
+        which needs only the NaN / Inf counts: ``multi_tensor_stats``), as ``op(tensors)``."""
         op = self._ops.get(device)
         if op is None:  # resolved once per device: the op's Python wrapper costs as much as a small op
-            op = self._ops[device] = (torch.ops.gradfuse.multi_tensor_stats.default
-                                      if ops.use_compiled(device) else ops.reference.multi_tensor_stats)
+            if not self.full:
+                stats = (torch.ops.gradfuse.multi_tensor_stats.default if ops.use_compiled(device)
+                         else ops.reference.multi_tensor_stats)
+                op = functools.partial(stats, norm_type=2.0)
+            elif ops.op_compiled("multi_tensor_moments", device):
+                op = torch.ops.gradfuse.multi_tensor_moments.default
+            else:
+                op = ops.reference.multi_tensor_moments
+            self._ops[device] = op
         return op
 
     def _trace_rows_cpu(self, tensors: list[torch.Tensor]):
@@ -526,11 +552,11 @@ class ActivationCapture:
             if rows is not None:
                 return rows
         try:
-            floats, counts = self._stats_op(tensors[0].device)(tensors, 2.0)
+            floats, counts = self._stats_op(tensors[0].device)(tensors)
         except RuntimeError:  # several dtypes or devices: one call each
             if len(tensors) == 1:
                 raise
-            parts = [self._stats_op(t.device)([t], 2.0) for t in tensors]
+            parts = [self._stats_op(t.device)([t]) for t in tensors]
             dev = tensors[0].device
             floats = torch.cat([f.to(dev) for f, _ in parts])
             counts = torch.cat([c.to(dev) for _, c in parts])

@@ -14,7 +14,7 @@ import torch
 
 from gradfuse.ops import fake, reference  # noqa: F401  (fake: registers the fake kernels)
 from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF,  # noqa: F401
-                                 BIN_ZERO, EXPONENT_OFFSET, INF, MAX_EXPONENT, MAXABS,
+                                 BIN_ZERO, EXPONENT_OFFSET, INF, M2, MAX_EXPONENT, MAXABS,
                                  MIN_EXPONENT, NAN, NUM_BINS, NUMEL, POWSUM, SUM, SUMSQ, ZERO)
 from gradfuse.ops.library import (backend, build_info, has_kernel, op_compiled, stats_dtype,  # noqa: F401
                                   use_compiled)
@@ -30,6 +30,21 @@ def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float = 2.0):
     if not tensors or not use_compiled(tensors[0].device):
         return reference.multi_tensor_stats(tensors, norm_type)
     return torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type))
+
+
+def multi_tensor_moments(tensors: list[torch.Tensor]):
+    """``multi_tensor_stats(tensors, 2)`` with a stable second moment, in the same one pass.
+
+    Returns ``(floats, counts)`` as ``multi_tensor_stats``, except that column ``M2`` (the power
+    sum's) holds the sum of squared deviations from each tensor's mean, ``sum (x - mean)^2``:
+    the variance is ``M2 / (numel - 1)``. The kernels accumulate ``x - K`` and ``(x - K)^2``
+    about a shift ``K`` taken from the data (the tensor's first element when finite), so the
+    result keeps its precision when ``|mean|`` is many times the spread, where
+    ``sum x^2 - (sum x)^2 / n`` keeps none. NaN where the tensor holds a NaN or an Inf.
+    """
+    if not tensors or not op_compiled("multi_tensor_moments", tensors[0].device):
+        return reference.multi_tensor_moments(tensors)
+    return torch.ops.gradfuse.multi_tensor_moments(tensors)
 
 
 def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor,

@@ -22,6 +22,10 @@ def _stats_fake(tensors, norm_type):
     return _rows(tensors, len(tensors))
 
 
+def _moments_fake(tensors):
+    return _rows(tensors, len(tensors))
+
+
 def _scale_fake(tensors, coef, conditional=True):
     return None
 
@@ -49,6 +53,7 @@ def _histogram_fake(tensors):
 
 FAKES = {
     "multi_tensor_stats": _stats_fake,
+    "multi_tensor_moments": _moments_fake,
     "multi_tensor_scale_": _scale_fake,
     "multi_tensor_unit_stats": _unit_stats_fake,
     "multi_tensor_unit_scale_": _unit_scale_fake,

@@ -138,7 +138,7 @@ def _registered(name: str, key: str) -> bool:
             and torch._C._dispatch_has_kernel_for_dispatch_key(f"gradfuse::{name}", key))
 
 
-OP_NAMES = ("multi_tensor_stats", "multi_tensor_scale_", "multi_tensor_unit_stats",
+OP_NAMES = ("multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats",
             "multi_tensor_unit_scale_", "multi_tensor_clamp_", "multi_tensor_exponent_histogram")
 # Looked up once (a plain dict keeps the hot path traceable by torch.compile): whether the
 # extension has a kernel for each (op, device type). KERNELS[device type]: for the stats op,

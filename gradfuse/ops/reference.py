@@ -20,7 +20,7 @@ import torch
 
 from gradfuse.ops.library import stats_dtype
 from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF, BIN_ZERO,
-                                 EXPONENT_OFFSET, MIN_EXPONENT, NUM_BINS)
+                                 EXPONENT_OFFSET, M2, MIN_EXPONENT, NUM_BINS)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,6 +48,26 @@ def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float):
     check_one_group(tensors)
     _check_kernel_inputs(tensors)
     return tensor_rows(tensors, norm_type)
+
+
+def multi_tensor_moments(tensors: list[torch.Tensor]):
+    """The rows of ``multi_tensor_stats(tensors, 2)`` with ``M2`` (the sum of squared deviations
+    from the mean) in the power sum's column, by two passes: the mean, then the deviations
+    ``d``, as ``sum d^2 - (sum d)^2 / n`` (the correction term takes off the rounding of the
+    mean, which matters on the float32 path)."""
+    if len(tensors) == 0:
+        return _empty_rows()
+    check_one_group(tensors)
+    _check_kernel_inputs(tensors)
+    floats, counts = tensor_rows(tensors, 2.0)
+    acc = floats.dtype
+    m2 = []
+    for t in tensors:
+        x = t.detach().reshape(-1).to(acc)
+        d = x - x.mean() if x.numel() else x
+        m2.append(d.square().sum() - d.sum() ** 2 / max(x.numel(), 1))
+    floats[:, M2] = torch.stack(m2)
+    return floats, counts
 
 
 def _empty_rows(device=None):

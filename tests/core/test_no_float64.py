@@ -5,32 +5,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import gradfuse
 from gradfuse.ops import library
-
-
-class NoFloat64(TorchDispatchMode):
-    """Fails any op with a float64 tensor among its inputs or outputs."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.float64, torch.complex128):
-                raise AssertionError(f"{func} used a {t.dtype} tensor")
-        return out
-
-
-@pytest.fixture
-def cpu_without_float64(monkeypatch):
-    """The CPU as a device without kernels and without float64."""
-    monkeypatch.setattr(library, "KERNELS", {"cpu": False, "cuda": False})
-    monkeypatch.setattr(library, "OP_KERNELS", {key: False for key in library.OP_KERNELS})
-    monkeypatch.setattr(library, "_warned", {"cpu"})
-    monkeypatch.setattr(library, "NO_FLOAT64", {"mps", "cpu"})
-    gradfuse.core.walk_cache.clear()
+from helpers import NoFloat64
 
 
 def _model(seed=0):

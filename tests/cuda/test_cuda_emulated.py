@@ -17,7 +17,7 @@ import torch
 import cuda_emu
 from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
 from gradfuse.ops import library
-from helpers import assert_stats_close
+from helpers import assert_moments_close, assert_stats_close
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C (the CPU backend compared with) not built")
 
@@ -26,6 +26,7 @@ SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
 NORM_TYPES = [2.0, 1.0, 3.0, 0.5, math.inf, 0.0, -1.5]
 cpu_stats = torch.ops.gradfuse.multi_tensor_stats
 cpu_scale = torch.ops.gradfuse.multi_tensor_scale_
+cpu_moments = torch.ops.gradfuse.multi_tensor_moments
 
 
 
@@ -123,6 +124,37 @@ def test_full_launch_tables_of_tiny_tensors(emu):
     count = emu.max_tensors_per_launch() + 1
     sizes = [1 + i % 8 for i in range(count)]
     check_stats(emu, [randn(n, torch.float32, seed=i) for i, n in enumerate(sizes)], 1.0)
+
+
+def check_moments(emu, tensors):
+    """The emulated multi_tensor_moments against the float64 two-pass M2 and the CPU backend."""
+    got = emu.multi_tensor_moments(tensors)
+    assert_moments_close(tensors, got)
+    assert_moments_close(tensors, got, expected=cpu_moments(tensors))
+    return got
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e6])
+def test_moments(emu, dtype, offset):
+    """A shift per tensor, read by every block of it and used once by the finalize."""
+    spread = 1.0
+    if dtype in (torch.float16, torch.bfloat16):  # within their range and spacing
+        offset = min(offset, 1e3)
+        spread = max(1.0, offset / 32)
+    sizes = SIZES + small_sizes(30, 300, seed=3)
+    tensors = [(offset + spread * randn(n, torch.float64, seed=i)).to(dtype) for i, n in enumerate(sizes)]
+    f, _ = check_moments(emu, tensors)
+    assert (f[[i for i, n in enumerate(sizes) if n > 1], 3] > 0).all()  # there was a spread
+
+
+def test_moments_planted_views_and_tables(emu, dtype):
+    tensors = planted_tensors(dtype)
+    base = randn(2 * CHUNK + 64, dtype, seed=9) + 40
+    tensors += [base[1:], base[3:CHUNK + 20], base[5:6]]
+    check_moments(emu, tensors)
+    table = emu.max_tensors_per_launch()
+    sizes = [0 if i % 5 == 0 else 1 + i % 37 for i in range(table + 9)]
+    check_moments(emu, [randn(n, dtype, seed=i) + 7 for i, n in enumerate(sizes)])
 
 
 # A regression test for |x| by fabs: as `x < 0 ? -x : x` it kept -0.0, so pow(-0.0, p) was -inf for

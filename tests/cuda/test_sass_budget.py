@@ -66,11 +66,16 @@ def test_finds_pass_one_main_loop_not_remainder_nor_rare_pass():
 
 def test_over_budget_is_reported_and_fails_the_script(tmp_path, monkeypatch, capsys):
     body = "LDG.E.128 R4, desc[UR4][R2.64]\n" + "FFMA R8, R4, R4, R8\n" * 40 + "@P0 BRA @0\nEXIT"
-    sass = fake_sass(FP32_ABS, body) + fake_sass(FP32_ABS.replace("E1EE", "E0EE"), body)
+    long_body = "LDG.E.128 R4, desc[UR4][R2.64]\n" + "FFMA R8, R4, R4, R8\n" * 50 + "@P0 BRA @0\nEXIT"
+    sass = (fake_sass(FP32_ABS, body) + fake_sass(FP32_ABS.replace("E1EE", "E0EE"), body)
+            + fake_sass(FP32_ABS.replace("E1EE", "E3EE"), body)
+            + fake_sass(FP32_ABS.replace("E1EE", "E3EE").replace("PfPl", "PfPd"), long_body))
     kernels = sass_budget.stats_kernel_loops(sass)
-    assert [(k.mode, k.per_element) for k in kernels] == [("abs", 42 / 4), ("none", 42 / 4)]
-    # Budgets hold for PowMode::kNone only: 10.5 > 10 there.
-    assert [k.mode for k in sass_budget.over_budget(kernels)] == ["none"]
+    assert [(k.mode, k.per_element) for k in kernels] == [
+        ("abs", 42 / 4), ("moments", 42 / 4), ("moments", 52 / 4), ("none", 42 / 4)]
+    # Budgets hold for PowMode::kNone (10 for fp32: 10.5 is over) and kMoments (12: 13 is over).
+    assert [(k.mode, k.per_element) for k in sass_budget.over_budget(kernels)] == [
+        ("moments", 52 / 4), ("none", 42 / 4)]
     monkeypatch.setattr(sass_budget, "disassemble", lambda binary, arch: sass)
     assert sass_budget.main([str(tmp_path / "any.so")]) == 1
     assert "OVER BUDGET" in capsys.readouterr().out
@@ -92,7 +97,8 @@ def test_built_stats_kernels_within_instruction_budget():
     report = sass_budget.report(kernels, "sm_90")
     print(report)
     found = sorted((k.dtype, k.mode, k.table) for k in kernels)
-    assert found == sorted((d, m, t) for d in ("bf16", "fp16", "fp32", "fp64") for m in ("none", "abs", "pow")
+    assert found == sorted((d, m, t) for d in ("bf16", "fp16", "fp32", "fp64")
+                           for m in ("none", "abs", "pow", "moments")
                            for t in ("64", "1280")), "one instantiation per dtype, norm mode and table size"
     assert not sass_budget.over_budget(kernels), report
 

@@ -24,6 +24,7 @@ namespace {
 struct Emulated {
   static constexpr c10::DeviceType kType = c10::DeviceType::CPU;
   static constexpr const char* kStatsOp = "gradfuse_emu.multi_tensor_stats";
+  static constexpr const char* kMomentsOp = "gradfuse_emu.multi_tensor_moments";
   static constexpr const char* kScaleOp = "gradfuse_emu.multi_tensor_scale_";
   static constexpr const char* kUnitStatsOp = "gradfuse_emu.multi_tensor_unit_stats";
   static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
@@ -118,6 +119,7 @@ at::Tensor run(const std::string& name) {
 
 TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
+  m.def("multi_tensor_moments(Tensor[] tensors) -> (Tensor, Tensor)");
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
   m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
   m.def("selftest(str name) -> Tensor", &selftest::run);
@@ -134,6 +136,7 @@ TORCH_LIBRARY(gradfuse_emu, m) {
 TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   using gradfuse::cuda::Emulated;
   m.impl("multi_tensor_stats", &gradfuse::cuda::multi_tensor_stats_on<Emulated>);
+  m.impl("multi_tensor_moments", &gradfuse::cuda::multi_tensor_moments_on<Emulated>);
   m.impl("multi_tensor_scale_", &gradfuse::cuda::multi_tensor_scale_on<Emulated>);
   m.impl("multi_tensor_unit_stats", &gradfuse::cuda::multi_tensor_unit_stats_on<Emulated>);
   m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<Emulated>);

@@ -12,7 +12,7 @@ from gradfuse.ops import library
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
-OPS = ["multi_tensor_stats", "multi_tensor_scale_", "multi_tensor_unit_stats", "multi_tensor_unit_scale_",
+OPS = ["multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats", "multi_tensor_unit_scale_",
        "multi_tensor_clamp_", "multi_tensor_exponent_histogram"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -28,6 +28,8 @@ CASES = {
 # NaN != NaN: a NaN in a float output (or in a tensor written in place) reads as a mismatch. NaN
 # goes to the histogram only, whose output is counts; the other ops see +-inf, zeros and -0.0.
 NAN_OPS = {"multi_tensor_exponent_histogram"}
+# The moments of a tensor with an Inf are NaN: that op sees finite values only.
+FINITE_ONLY_OPS = {"multi_tensor_moments"}
 
 
 def tensors_for(case, dtype, device):
@@ -58,7 +60,7 @@ def op_args(name, tensors, device):
         return [(clones, units, coefs, True), ([t.clone() for t in tensors], units, coefs.double(), False)]
     if name == "multi_tensor_clamp_":
         return [(clones, 0.5), ([t.clone() for t in tensors], 0.0)]
-    if name == "multi_tensor_exponent_histogram":
+    if name in ("multi_tensor_exponent_histogram", "multi_tensor_moments"):
         return [(tensors,)]
     raise AssertionError(name)
 
@@ -70,7 +72,8 @@ def test_every_op_of_the_library_is_checked():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("name, case", [(n, c) for n in OPS for c in CASES if c != "nan" or n in NAN_OPS])
+@pytest.mark.parametrize("name, case", [(n, c) for n in OPS for c in CASES
+                                         if (c != "nan" or n in NAN_OPS) and (c != "non_finite" or n not in FINITE_ONLY_OPS)])
 def test_opcheck(name, case, dtype, device):
     op = getattr(torch.ops.gradfuse, name)
     tensors = tensors_for(case, dtype, device)
