@@ -46,6 +46,9 @@ Cost and memory
     exact, and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
+    With ``histogram=True`` each hook also runs the fused exponent-histogram op over the same
+    tensors (one call; its int64 rows stay on the device, read only when asked for, as
+    ``ActivationStats.exponent_histogram`` and per layer ``layer_exponents()``).
 
 Errors
     A hook never raises into the forward or the backward: a module whose output the statistics
@@ -69,8 +72,8 @@ import torch
 from torch import nn
 
 from gradfuse import ops
-from gradfuse.core.grad_stats import GradStats, layer_of
-from gradfuse.ops.layout import INF, M2, NAN, SUM, SUMSQ, ZERO
+from gradfuse.core.grad_stats import GradStats, exponents_entry, layer_of, sum_by_key
+from gradfuse.ops.layout import INF, M2, NAN, NUM_BINS, SUM, SUMSQ, ZERO
 
 ROOT_NAME = "(root)"
 _CHANNEL_MODULES = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm,
@@ -215,6 +218,12 @@ def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
     return int(torch.count_nonzero(activity)) == units
 
 
+def output_layer(module: str, depth: int | None = None) -> str:
+    """The layer of a module's output rows, as ``GradStats.layers`` groups parameters: the
+    module path up to its first block index (``depth``: that many leading name parts)."""
+    return layer_of(module + ".out", depth)
+
+
 class ActivationStats(GradStats):
     """[`GradStats`][gradfuse.GradStats] of module outputs (or of the gradients with respect to them).
 
@@ -233,6 +242,10 @@ class ActivationStats(GradStats):
         units (torch.Tensor): int64 ``[n]``: the units of each row.
         scope (str): ``"all"``, or ``"rank"`` under torch.distributed with several ranks:
             activations are this rank's.
+        exponent_histogram (torch.Tensor | None): With ``histogram=True``: int64 ``[n, 283]``,
+            per row the count of elements of each binary exponent (bins in
+            [`gradfuse.histogram`](gradfuse.histogram.md)); else None. ``layer_exponents()``
+            sums it per layer.
 
     Example:
         ```python
@@ -301,7 +314,7 @@ class ActivationStats(GradStats):
         d = self.to_dict()
         out: dict[str, dict] = {}
         for (name, r), (_std, _dead, _units, s, q, m2) in zip(d["params"].items(), self._extra_host()):
-            key = layer_of(r["module"] + ".out", depth)
+            key = output_layer(r["module"], depth)
             agg = out.setdefault(key, {"numel": 0, "sum": 0.0, "sumsq": 0.0, "moments": [],
                                        "linf": 0.0, "nan_count": 0, "inf_count": 0, "zero_count": 0,
                                        "dead_units": 0, "units": 0, "rows": 0})
@@ -323,6 +336,16 @@ class ActivationStats(GradStats):
             agg["zero_fraction"] = agg["zero_count"] / max(n, 1)
             agg["dead_fraction"] = agg["dead_units"] / agg["units"] if agg["units"] else 0.0
         return out
+
+    def layer_exponents(self, depth: int | None = None) -> dict[str, dict] | None:
+        """The exponent histograms summed per layer (layers as ``layers`` groups rows), each as
+        ``{"first_bin": b, "counts": [...]}`` without its empty ends, as a monitor record's
+        ``exponents``; read in one transfer. None without ``histogram=True``."""
+        if self.exponent_histogram is None:
+            return None
+        keys = [output_layer(m, depth) for m in self.modules]
+        sums = sum_by_key(keys, self.exponent_histogram.cpu().tolist())
+        return {layer: exponents_entry(counts) for layer, counts in sums.items()}
 
     def table(self, top: int | None = None, sort_by: str | None = None) -> str:
         """A fixed-width table in execution order (or largest ``sort_by`` first)."""
@@ -349,12 +372,13 @@ class ActivationStats(GradStats):
 
 class _Event:
     """What one hook call left: the rows of one module call (device tensors, no activation;
-    ``dead``: per row, the activity vector of its units)."""
-    __slots__ = ("module", "names", "floats", "counts", "dead", "units", "producer")
+    ``dead``: per row, the activity vector of its units; ``hist``: the rows' exponent
+    histograms, or None)."""
+    __slots__ = ("module", "names", "floats", "counts", "dead", "units", "hist", "producer")
 
-    def __init__(self, module, names, floats, counts, dead, units, producer=None):
+    def __init__(self, module, names, floats, counts, dead, units, hist=None, producer=None):
         self.module, self.names, self.floats, self.counts = module, names, floats, counts
-        self.dead, self.units = dead, units
+        self.dead, self.units, self.hist = dead, units, hist
         # backward: the first watched module that output this very value (a block returns its
         # last child's output tensor; the child produced it)
         self.producer = producer
@@ -419,7 +443,8 @@ class ActivationCapture:
     """
 
     def __init__(self, model: nn.Module, modules=None, grads: bool = True,
-                 trace_nonfinite: bool = False, stats: bool = True, training_only: bool = False):
+                 trace_nonfinite: bool = False, stats: bool = True, training_only: bool = False,
+                 histogram: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"gradfuse.capture_activations: model must be an nn.Module, got "
                             f"{type(model).__name__}")
@@ -433,6 +458,7 @@ class ActivationCapture:
         self.grads = grads
         self.trace_nonfinite = trace_nonfinite
         self.full = stats  # False: only the non-finite counts (trace mode)
+        self.histogram = histogram  # with the statistics, the exponent histograms
         self.training_only = training_only
         self._watched = resolve_modules(model, modules)
         self._handles: list = []
@@ -581,16 +607,31 @@ class ActivationCapture:
             dead.append(_unit_activity(t, d) if known is None else known)
         return floats, counts, dead
 
+    def _histogram_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The exponent histograms of one hook's tensors (int64 ``[n, NUM_BINS]`` on the first
+        one's device, nothing read on the host), or None when not asked for: one fused call, or
+        one per tensor when they mix dtypes or devices."""
+        if not (self.full and self.histogram):
+            return None
+        try:
+            return ops.multi_tensor_exponent_histogram(tensors)
+        except RuntimeError:  # several dtypes or devices: one call each
+            if len(tensors) == 1:
+                raise
+            dev = tensors[0].device
+            return torch.cat([ops.multi_tensor_exponent_histogram([t]).to(dev) for t in tensors])
+
     def _rows_memo(self, original: torch.Tensor, tensors: list[torch.Tensor], dims: list[int], side: int):
-        """``_rows``, reusing the last hook's rows when this hook sees the very same value: a
-        block returns its last child's output tensor, and the hooks of both get its gradient."""
+        """``_rows`` and ``_histogram_rows``, reusing the last hook's rows when this hook sees
+        the very same value: a block returns its last child's output tensor, and the hooks of
+        both get its gradient."""
         if len(tensors) != 1:
-            return self._rows(tensors, dims)
+            return self._rows(tensors, dims) + (self._histogram_rows(tensors),)
         t = original  # the hook's own object (tensors holds detached views, new per hook)
         memo = self._memo[side]
         if memo is not None and memo[0]() is t and memo[1] == t._version and memo[2] == dims[0]:
             return memo[3]
-        rows = self._rows(tensors, dims)
+        rows = self._rows(tensors, dims) + (self._histogram_rows(tensors),)
         self._memo[side] = (weakref.ref(t), t._version, dims[0], rows)
         return rows
 
@@ -605,8 +646,8 @@ class ActivationCapture:
         dims = [unit_dim(module, t) for t in tensors]
         units = [t.shape[d] if t.dim() else 0 for t, d in zip(tensors, dims)]
         names = [base + suffix for suffix, _ in outs]
-        floats, counts, dead = self._rows_memo(outs[0][1], tensors, dims, 0)
-        self._fwd.append(_Event(name, names, floats, counts, dead, units))
+        floats, counts, dead, hist = self._rows_memo(outs[0][1], tensors, dims, 0)
+        self._fwd.append(_Event(name, names, floats, counts, dead, units, hist))
         if not self.grads:
             return
         for (suffix, t), row, d, u in zip(outs, names, dims, units):
@@ -623,8 +664,8 @@ class ActivationCapture:
             if name in self.skipped or grad is None:
                 return None
             try:
-                floats, counts, dead = self._rows_memo(grad, [grad.detach()], [dim], 1)
-                self._bwd.append(_Event(name, [row], floats, counts, dead, [units], producer))
+                floats, counts, dead, hist = self._rows_memo(grad, [grad.detach()], [dim], 1)
+                self._bwd.append(_Event(name, [row], floats, counts, dead, [units], hist, producer))
             except Exception as e:  # noqa: BLE001 - a hook must never break the backward
                 self._fail(name, "backward", e)
             return None
@@ -640,16 +681,22 @@ class ActivationCapture:
         scope = "rank" if (torch.distributed.is_available() and torch.distributed.is_initialized()
                            and torch.distributed.get_world_size() > 1) else "all"
         if not events:
-            return ActivationStats([], [], torch.zeros((0, 4), dtype=torch.float64),
-                                   torch.zeros((0, 4), dtype=torch.int64),
-                                   torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                                   scope)
+            out = ActivationStats([], [], torch.zeros((0, 4), dtype=torch.float64),
+                                  torch.zeros((0, 4), dtype=torch.int64),
+                                  torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                  scope)
+            if self.histogram:
+                out.exponent_histogram = torch.zeros((0, NUM_BINS), dtype=torch.int64)
+            return out
         dev = events[0].floats.device
         floats = torch.cat([e.floats.to(dev) for e in events])
         counts = torch.cat([e.counts.to(dev) for e in events])
         dead = _dead_counts([a if isinstance(a, int) else a.to(dev) for e in events for a in e.dead])
         units = torch.tensor([u for e in events for u in e.units], dtype=torch.int64)
-        return ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
+        out = ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
+        if self.histogram:
+            out.exponent_histogram = torch.cat([e.hist.to(dev) for e in events])
+        return out
 
     @property
     def forward(self) -> ActivationStats:
@@ -756,7 +803,8 @@ class ActivationCapture:
 
 
 def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | str | nn.Module | None = None,
-                        grads: bool = True, trace_nonfinite: bool = False) -> ActivationCapture:
+                        grads: bool = True, trace_nonfinite: bool = False,
+                        histogram: bool = False) -> ActivationCapture:
     """A context manager that watches the forward and backward passes run inside it.
 
     ``first_nonfinite`` is the first module in execution order whose forward output held a NaN or
@@ -774,6 +822,10 @@ def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | s
         grads: also the gradients with respect to the outputs (tensor hooks); False: forward only.
         trace_nonfinite: accepted for symmetry with [`GradMonitor`][gradfuse.GradMonitor]:
             ``first_nonfinite`` is always available, from the NaN / Inf counts every row has.
+        histogram: also the exponent histogram of every row (one more fused op per hook, over
+            the same tensors): ``cap.forward.exponent_histogram`` and
+            ``cap.backward.exponent_histogram``, int64 ``[n, 283]``, summed per layer by
+            ``layer_exponents()``; False: None.
 
     Returns:
         ActivationCapture: Use it in a ``with`` block; the hooks are removed when it exits, also
@@ -794,4 +846,5 @@ def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | s
         cap.first_nonfinite                   # None, or ("forward" | "backward", module name)
         ```
     """
-    return ActivationCapture(model, modules, grads=grads, trace_nonfinite=trace_nonfinite)
+    return ActivationCapture(model, modules, grads=grads, trace_nonfinite=trace_nonfinite,
+                             histogram=histogram)

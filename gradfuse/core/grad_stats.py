@@ -437,6 +437,27 @@ def layer_of(name: str, depth: int | None = None) -> str:
     return ".".join(parts[:max(depth, 1)])
 
 
+def sum_by_key(keys: list[str], rows: list[list]) -> dict[str, list]:
+    """Host rows (lists of numbers, all of one length) summed per key: ``{key: [sums]}``, the
+    keys in the order they first come (a layer's rows added up, e.g. keys from ``layer_of``)."""
+    sums: dict[str, list] = {}
+    for key, row in zip(keys, rows):
+        acc = sums.setdefault(key, [0] * len(row))
+        for i, v in enumerate(row):
+            acc[i] += v
+    return sums
+
+
+def exponents_entry(counts: list) -> dict:
+    """An exponent histogram (one count per bin, as ``gradfuse.ops.layout`` numbers the bins)
+    as a monitor record keeps it: ``{"first_bin": b, "counts": [...]}`` without the empty bins
+    at both ends (``{"first_bin": 0, "counts": []}`` when every bin is empty)."""
+    counts = [int(v) for v in counts]
+    nz = [i for i, c in enumerate(counts) if c]
+    first, last = (nz[0], nz[-1]) if nz else (0, -1)
+    return {"first_bin": first, "counts": counts[first:last + 1]}
+
+
 def _sort_key(v: float):
     return (math.isnan(v), v if not math.isnan(v) else 0.0)
 

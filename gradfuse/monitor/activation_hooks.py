@@ -13,9 +13,11 @@ from gradfuse.activations.capture import ActivationCapture, is_compiled, resolve
 class MonitorHooks:
     """The hooks a ``GradMonitor`` arms: a full capture (statistics) for the steps it logs,
     a trace capture (non-finite counts only) on every other step when ``trace_nonfinite``, and
-    no hook at all otherwise."""
+    no hook at all otherwise. ``histogram``: the full captures also take the exponent
+    histograms."""
 
-    def __init__(self, model, modules=None, activations: bool = False, trace_nonfinite: bool = False):
+    def __init__(self, model, modules=None, activations: bool = False, trace_nonfinite: bool = False,
+                 histogram: bool = False):
         if not isinstance(model, nn.Module):
             raise ValueError("gradfuse.GradMonitor: activations=True / trace_nonfinite=True need the "
                              "model as an nn.Module (GradMonitor(model, ...), attach(optimizer, model, "
@@ -29,6 +31,7 @@ class MonitorHooks:
         self.modules = modules
         self.activations = activations
         self.trace_nonfinite = trace_nonfinite
+        self.histogram = histogram
         resolve_modules(model, modules)  # bad names fail here, at construction
         self.current: ActivationCapture | None = None
 
@@ -45,7 +48,7 @@ class MonitorHooks:
             return
         self.current = ActivationCapture(self.model, self.modules, grads=True,
                                          trace_nonfinite=self.trace_nonfinite, stats=full,
-                                         training_only=True).arm()
+                                         training_only=True, histogram=full and self.histogram).arm()
 
     def take(self) -> ActivationCapture | None:
         """The capture of the step that just ran (hooks removed), or None."""

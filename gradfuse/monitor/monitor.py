@@ -163,7 +163,9 @@ class GradMonitor:
             ``exponents``) and numeric headroom for fp16 / bf16 / fp8 (``headroom``; metrics
             ``headroom/<layer>/<column>``), of the gradients as the optimizer gets them (after
             unscaling and clipping): two more fused passes on logging steps only
-            (see ``gradfuse.numerics.headroom``).
+            (see ``gradfuse.numerics.headroom``). With ``activations`` too, the activation
+            hooks also take the exponent histograms of the module outputs and of the gradients
+            with respect to them (``act_exponents``, ``act_grad_exponents``).
         noise_scale: True or a ``gradfuse.NoiseScale``: the gradient noise scale, logged as
             ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
             ``gradfuse.dynamics.noise_scale``; call ``micro_step`` after each backward under
@@ -174,7 +176,8 @@ class GradMonitor:
         activations: also log the statistics of every module's output and of the gradient with
             respect to it (see ``gradfuse.capture_activations``) on the steps that are logged
             (``every``): hooks are registered for those steps only (armed at the end of the step
-            before), no hook at all on the others. Records get ``act`` and ``act_grad`` per layer.
+            before), no hook at all on the others. Records get ``act`` and ``act_grad`` per layer
+            (and with ``histogram``, ``act_exponents`` and ``act_grad_exponents``).
         trace_nonfinite: on every step, one small fused reduction per module output and output
             gradient (no host sync on a clean step); on a step with non-finite gradients, the
             first module where a NaN / Inf appeared is named in the message and in
@@ -320,7 +323,8 @@ class GradMonitor:
         self._act_hooks = None
         if activations or trace_nonfinite:
             self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
-                                           activations=activations, trace_nonfinite=trace_nonfinite)
+                                           activations=activations, trace_nonfinite=trace_nonfinite,
+                                           histogram=histogram)
             if enabled:  # the first step's forward and backward come before its step()
                 self._act_hooks.arm(full=self.every > 0 and start_step % self.every == 0)
 
@@ -707,6 +711,9 @@ class GradMonitor:
         if report.activations is not None:
             out["act"] = report.activations.forward.layers(self.layer_depth)
             out["act_grad"] = report.activations.backward.layers(self.layer_depth)
+            if report.activations.histogram:
+                out["act_exponents"] = report.activations.forward.layer_exponents(self.layer_depth)
+                out["act_grad_exponents"] = report.activations.backward.layer_exponents(self.layer_depth)
         return out
 
     def _write(self, report: StepReport, event: bool) -> None:

@@ -7,8 +7,11 @@ A record (one per logged step or anomaly) holds: step, total_norm, norm_type, ma
 clip_coef, clipped, nonfinite, skipped, anomalies, message, event, counters (the run's totals so
 far: steps, clipped_steps, skipped_steps, anomaly_steps, nonfinite_steps, explode_steps,
 amp_overflow_steps, dropped_records), params (per-parameter statistics) and layers (per-layer
-aggregates); with ``GradMonitor(activations=True)`` on logged steps also act and act_grad (per
-layer: module outputs and the gradients with respect to them), and first_nonfinite when traced.
+aggregates); with ``GradMonitor(histogram=True)`` on logged steps also headroom and exponents
+(per layer); with ``GradMonitor(activations=True)`` on logged steps also act and act_grad (per
+layer: module outputs and the gradients with respect to them), with both options act_exponents
+and act_grad_exponents (their exponent histograms, per layer, shaped as exponents), and
+first_nonfinite when traced.
 
 Sinks that talk to a tracker may also have ``on_start(config: dict)``: the monitor hands them its
 settings (``GradMonitor.config``) once, before the first record. Under ``torch.distributed``
@@ -28,8 +31,13 @@ layer, the value axis is the binary exponent floor(log2|g|) itself, not 2**e (a 
 tens of binades: on a linear 2**e axis all but the top few would collapse at zero). The bucket of
 bin ``e + 151`` covers [e, e+1) and has the upper limit ``e + 1``, the log2 of the bin's upper edge
 2**(e+1). Zeros, Inf and NaN have no exponent and are left out (they are the scalars
-``grad_zero_fraction/<layer>`` and ``grad_nonfinite/<layer>``); so are the float64-only bins
-below 2**-149 and above 2**128.
+``grad_zero_fraction/<layer>`` and ``grad_nonfinite/<layer>``, ``act/<layer>/zero_fraction`` and
+``act/<layer>/nonfinite``, ``act_grad/<layer>/...`` for activations); so are the float64-only
+bins below 2**-149 and above 2**128. Three kinds, each written the same way: the record's
+``exponents`` as ``grad_exponent/<layer>`` (the gradients), and with
+``GradMonitor(activations=True)`` too its ``act_exponents`` as ``activation_exponent/<layer>``
+(the module outputs) and ``act_grad_exponents`` as ``activation_grad_exponent/<layer>`` (the
+gradients with respect to them).
 
 Layer: monitor. Imports ``gradfuse.utils``, ``gradfuse.numerics.histogram`` (the bins) and
 ``gradfuse.monitor.figures`` (the pictures); the trackers are imported on first use.
@@ -281,9 +289,30 @@ def exponent_buckets(entry: dict) -> tuple[list[int], list[int]] | None:
     return [pairs[0][0] + i for i in range(len(pairs) + 1)], [c for _e, c in pairs]
 
 
+# (record key, tag prefix) of the exponent histograms the sinks write: the gradients', and with
+# GradMonitor(activations=True) the module outputs' and the gradients' with respect to them
+_EXPONENT_HISTOGRAMS = (("exponents", "grad_exponent"), ("act_exponents", "activation_exponent"),
+                       ("act_grad_exponents", "activation_grad_exponent"))
+
+
+def _exponent_histograms(record: dict) -> list[tuple[str, list[int], list[int]]]:
+    """(tag, edges, counts) of every exponent histogram a record holds (``_EXPONENT_HISTOGRAMS``;
+    edges and counts as ``exponent_buckets``; layers with no exponent bin filled left out)."""
+    out = []
+    for key, prefix in _EXPONENT_HISTOGRAMS:
+        for layer, entry in (record.get(key) or {}).items():
+            buckets = exponent_buckets(entry)
+            if buckets is not None:
+                out.append((f"{prefix}/{layer}", *buckets))
+    return out
+
+
+_NOT_PICTURED = ("params", "act", "act_grad", "act_exponents", "act_grad_exponents")
+
+
 class _Pictures:
     """The pictures of a sink: a bounded window of the records it wrote (without ``params``,
-    ``act``, ``act_grad``), and every ``every``-th logged step (a record of a step already counted,
+    ``act``, ``act_grad`` and their exponent histograms), and every ``every``-th logged step (a record of a step already counted,
     an anomaly's re-log, is not counted again) the figures of that window."""
 
     def __init__(self, every: int, figure_fn, window: int):
@@ -300,7 +329,7 @@ class _Pictures:
         """Keeps ``record``; True when pictures are due now."""
         if not self.every:
             return False
-        self.records.append({k: v for k, v in record.items() if k not in ("params", "act", "act_grad")})
+        self.records.append({k: v for k, v in record.items() if k not in _NOT_PICTURED})
         if record["step"] == self.last_step:
             self.pending = True
             return False
@@ -333,7 +362,10 @@ class TensorBoardSink:
 
     - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer the gradient
       exponent histogram ``grad_exponent/<layer>`` (``add_histogram_raw``; the value axis is
-      log2|g|: bucket limits ``e + 1``, see ``exponent_buckets``);
+      log2|g|: bucket limits ``e + 1``, see ``exponent_buckets``), and with
+      ``activations=True`` too those of the module outputs, ``activation_exponent/<layer>``,
+      and of the gradients with respect to them, ``activation_grad_exponent/<layer>`` (the
+      same axis);
     - ``images_every=N`` (default 0: none): every N-th logged step the pictures of the last
       ``window`` records (``add_figure``; tags ``grad/gradflow`` and ``grad/exponents`` by
       default, or what ``figure_fn(records)`` returns: a Figure, or a dict of tag -> Figure).
@@ -345,7 +377,8 @@ class TensorBoardSink:
     Args:
         writer: A ``torch.utils.tensorboard.SummaryWriter`` (or an object with its
             ``add_scalar``, ``add_text``, ``add_histogram_raw``, ``add_figure`` and ``flush``).
-        histograms: Log the exponent histograms (when the records carry ``exponents``).
+        histograms: Log the exponent histograms (when the records carry ``exponents``,
+            ``act_exponents``, ``act_grad_exponents``).
         images_every: Draw the pictures every this many logged steps (0: never; drawing takes
             about a second).
         figure_fn: ``figure_fn(records)`` -> a matplotlib Figure or a dict of tag -> Figure;
@@ -383,14 +416,10 @@ class TensorBoardSink:
         if record["anomalies"]:
             self.writer.add_text("grad/anomaly", record["message"] or ",".join(record["anomalies"]), step)
         if self.histograms:
-            for layer, entry in (record.get("exponents") or {}).items():
-                buckets = exponent_buckets(entry)
-                if buckets is None:
-                    continue
-                edges, counts = buckets
+            for tag, edges, counts in _exponent_histograms(record):
                 mids = [e + 0.5 for e in edges[:-1]]
                 self.writer.add_histogram_raw(
-                    f"grad_exponent/{layer}", min=edges[0], max=edges[-1], num=sum(counts),
+                    tag, min=edges[0], max=edges[-1], num=sum(counts),
                     sum=sum(m * c for m, c in zip(mids, counts)),
                     sum_squares=sum(m * m * c for m, c in zip(mids, counts)),
                     bucket_limits=edges[1:], bucket_counts=counts, global_step=step)
@@ -449,7 +478,9 @@ class WandbSink(MetricsSink):
 
     - ``histograms=True`` (default): with ``GradMonitor(histogram=True)``, per layer
       ``grad_exponent/<layer>`` as ``wandb.Histogram(np_histogram=(counts, edges))`` on the log2
-      axis (``exponent_buckets``);
+      axis (``exponent_buckets``), and with ``activations=True`` too
+      ``activation_exponent/<layer>`` and ``activation_grad_exponent/<layer>`` (module outputs
+      and the gradients with respect to them) the same way;
     - ``images_every=N`` (default 0): every N-th logged step the pictures as ``wandb.Image(fig)``
       (tags as ``TensorBoardSink``'s);
     - anomalies in ``run.summary``: ``grad/last_anomaly`` (the kinds, comma separated),
@@ -464,7 +495,8 @@ class WandbSink(MetricsSink):
     Args:
         logger: A W&B run (``wandb.init()``'s), any object with ``log(dict, step=)``, or None:
             ``wandb.run`` at each write.
-        histograms: Log the exponent histograms (when the records carry ``exponents``).
+        histograms: Log the exponent histograms (when the records carry ``exponents``,
+            ``act_exponents``, ``act_grad_exponents``).
         images_every: Log the pictures every this many logged steps (0: never).
         figure_fn: ``figure_fn(records)`` -> a matplotlib Figure or a dict of tag -> Figure;
             None: ``gradfuse.monitor.figures.record_figures``.
@@ -518,15 +550,12 @@ class WandbSink(MetricsSink):
         run = self._run()
         step = record["step"]
         m = dict(metrics(record))
-        exps = record.get("exponents") if self.histograms else None
+        hists = _exponent_histograms(record) if self.histograms else []
         due = self._pictures.add(record)
-        if exps or due:
+        if hists or due:
             wandb = require("wandb", "wandb", "WandbSink")
-            for layer, entry in (exps or {}).items():
-                buckets = exponent_buckets(entry)
-                if buckets is not None:
-                    edges, counts = buckets
-                    m[f"grad_exponent/{layer}"] = wandb.Histogram(np_histogram=(counts, edges))
+            for tag, edges, counts in hists:
+                m[tag] = wandb.Histogram(np_histogram=(counts, edges))
             if due:
                 m.update(self._images(wandb))
         run.log(m, step=step)

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from gradfuse.core.grad_stats import columns_to_host, layer_of
+from gradfuse.core.grad_stats import columns_to_host, exponents_entry, layer_of, sum_by_key
 from gradfuse.ops import layout as H
 
 __all__ = ["COLUMNS", "FORMATS", "KINDS", "Format", "amax_scale", "headroom_columns", "layer_record",
@@ -148,25 +148,19 @@ def layer_record(names: list[str], hist: torch.Tensor, columns: dict[str, torch.
                  depth: int | None = None) -> tuple[dict, dict]:
     """Per layer (``gradfuse.core.grad_stats.layer_of``): ({layer: {column: fraction}} weighted by
     element counts, {layer: {"first_bin": b, "counts": [...]}}, the summed exponent histogram
-    without its empty ends), for a monitor record; one device-to-host transfer."""
+    without its empty ends, ``gradfuse.core.grad_stats.exponents_entry``), for a monitor record;
+    one device-to-host transfer."""
     if not names:
         return {}, {}
     keys = list(columns)
     numel = hist.sum(1, keepdim=True).to(torch.float64)
     packed = torch.cat([hist.to(torch.float64), numel, torch.stack([columns[k] for k in keys], 1) * numel], 1)
     rows = packed.cpu().tolist()
-    sums: dict[str, list[float]] = {}
-    for name, row in zip(names, rows):
-        acc = sums.setdefault(layer_of(name, depth), [0.0] * len(row))
-        for i, v in enumerate(row):
-            acc[i] += v
+    sums = sum_by_key([layer_of(name, depth) for name in names], rows)
     frac, exps = {}, {}
     nb = H.NUM_BINS
     for layer, acc in sums.items():
         n = max(acc[nb], 1.0)
         frac[layer] = {k: acc[nb + 1 + i] / n for i, k in enumerate(keys)}
-        counts = [int(v) for v in acc[:nb]]
-        nz = [i for i, c in enumerate(counts) if c]
-        first, last = (nz[0], nz[-1]) if nz else (0, -1)
-        exps[layer] = {"first_bin": first, "counts": counts[first:last + 1]}
+        exps[layer] = exponents_entry(acc[:nb])
     return frac, exps

@@ -58,6 +58,7 @@ class ReferenceHooks:
 
     def __init__(self, model):
         self.forward, self.backward, self.handles, self.calls = {}, {}, [], {}
+        self.values = {"forward": {}, "backward": {}}  # row name -> a copy of the tensor
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_hook(self._hook(name or ROOT_NAME, module)))
 
@@ -69,9 +70,14 @@ class ReferenceHooks:
             for suffix, t in ref_flatten(output):
                 row = base + suffix
                 self.forward[row] = ref_row(module, t)
+                self.values["forward"][row] = t.detach().clone()
                 if t.requires_grad:
-                    t.register_hook(lambda g, row=row: self.backward.__setitem__(row, ref_row(module, g)))
+                    t.register_hook(lambda g, row=row: self._backward(row, module, g))
         return hook
+
+    def _backward(self, row, module, g):
+        self.backward[row] = ref_row(module, g)
+        self.values["backward"][row] = g.detach().clone()
 
     def remove(self):
         for h in self.handles:
@@ -171,6 +177,67 @@ def test_sequential_rows_equal_float64_hooks():
     assert cap.forward.names == ["0", "1", "2", "3", "4", ROOT_NAME]
     assert cap.backward.names[:2] == ["4", ROOT_NAME]  # backward order: hooks on one tensor by registration
     assert cap.hook_count == 0 and cap.first_nonfinite is None
+
+
+class TwoDtypes(nn.Module):
+    """One output of two dtypes (float32, float64): one hook, two tensors, two op calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        h = self.relu(self.lin(x))
+        return h, h.double().tanh()
+
+
+@pytest.mark.parametrize("make", [mlp, TwoDtypes], ids=["mlp", "two_dtypes"])
+def test_exponent_histogram_rows_equal_the_reference_op_and_are_off_by_default(make, monkeypatch):
+    from gradfuse.ops import BIN_ABOVE, BIN_ZERO, NUM_BINS, reference
+    calls = []
+    op = gradfuse.ops.multi_tensor_exponent_histogram
+    monkeypatch.setattr(gradfuse.ops, "multi_tensor_exponent_histogram",
+                        lambda tensors: calls.append(len(tensors)) or op(tensors))
+    model = make()
+    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        out = model(x)
+        (out[0].sum() + out[1].square().sum() if isinstance(out, tuple) else out.square().sum()).backward()
+
+    ref = ReferenceHooks(model)
+    try:
+        with capture_activations(model, histogram=True) as cap:
+            run()
+    finally:
+        ref.remove()
+    assert calls  # the hooks ran the op (a hook seeing the previous hook's value reuses its rows)
+    for side in ("forward", "backward"):
+        s = getattr(cap, side)
+        h = s.exponent_histogram
+        assert h.dtype == torch.int64 and h.shape == (len(s.names), NUM_BINS)
+        assert set(s.names) == set(ref.values[side])
+        for i, name in enumerate(s.names):
+            want = reference.multi_tensor_exponent_histogram([ref.values[side][name]])[0]
+            assert torch.equal(h[i], want), (side, name)
+        assert h.sum(1).tolist() == s.numel.tolist() and min(s.numel.tolist()) > 0
+        # per layer, grouped as layers() groups the rows: every element of the layer, once
+        layers, exps = s.layers(), s.layer_exponents()
+        assert list(exps) == list(layers)
+        for layer, entry in exps.items():
+            assert sum(entry["counts"]) == layers[layer]["numel"] > 0, (side, layer)
+            assert entry["counts"][0] and entry["counts"][-1]  # trimmed of empty bins
+        assert h[:, BIN_ZERO + 1:BIN_ABOVE].sum() > 0  # finite non-zero elements, binned by exponent
+    # off (the default): no op call, no histogram, the same statistics
+    calls.clear()
+    with capture_activations(model) as plain:
+        run()
+    assert calls == []
+    for side in ("forward", "backward"):
+        s, full = getattr(plain, side), getattr(cap, side)
+        assert s.exponent_histogram is None and s.layer_exponents() is None
+        assert s.to_dict() == full.to_dict()
 
 
 def test_gpt2_rows_equal_float64_hooks():
@@ -521,6 +588,7 @@ def test_monitor_arms_hooks_only_for_logged_steps(tmp_path):
     recs = read_jsonl(tmp_path / "run.jsonl")
     logged = [r for r in recs if "act" in r]
     assert [r["step"] for r in logged] == [0, 3, 6]
+    assert not any("act_exponents" in r or "act_grad_exponents" in r for r in recs)  # histogram=False
     m = metrics(logged[0])
     assert {"act/0/rms", "act/3/dead_fraction", "act_grad/4/rms", "act/(root)/std"} <= set(m)
     assert m["act/0/rms"] > 0 and m["act_grad/0/rms"] > 0

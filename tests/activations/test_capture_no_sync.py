@@ -6,7 +6,8 @@ of gradfuse.activations.capture). Those reads are counted here. What it promises
 accelerator, "nothing is read in a hook", is checked by running the same capture with every tensor
 answering ``is_cpu`` False: ``Tensor.is_cpu`` is the only thing capture.py asks to choose between
 the CPU shortcuts and the device path (``t.is_cpu`` / ``counts.is_cpu`` in ``_rows``), so the hooks
-then take the path an accelerator takes, on CPU tensors, and must read nothing."""
+then take the path an accelerator takes, on CPU tensors, and must read nothing; also with
+``histogram=True``, whose exponent histograms are taken in the same hooks."""
 import contextlib
 
 import pytest
@@ -43,7 +44,8 @@ def as_on_an_accelerator():
         del torch.Tensor.is_cpu
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(trace_nonfinite=True)], ids=["default", "trace_nonfinite"])
+@pytest.mark.parametrize("kwargs", [{}, dict(trace_nonfinite=True), dict(histogram=True)],
+                         ids=["default", "trace_nonfinite", "histogram"])
 def test_on_the_cpu_the_hooks_read_only_small_cpu_values(kwargs):
     model, x = model_and_input()
     capture(model, x, **kwargs)  # warm-up
@@ -53,7 +55,8 @@ def test_on_the_cpu_the_hooks_read_only_small_cpu_values(kwargs):
     assert guard.reads and set(guard.reads) <= CPU_READS  # the documented CPU shortcuts, and nothing else
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(trace_nonfinite=True)], ids=["default", "trace_nonfinite"])
+@pytest.mark.parametrize("kwargs", [{}, dict(trace_nonfinite=True), dict(histogram=True)],
+                         ids=["default", "trace_nonfinite", "histogram"])
 def test_the_accelerator_path_reads_nothing_in_hooks_and_gives_the_same_rows(kwargs):
     model, x = model_and_input()
     on_cpu = capture(model, x, **kwargs)
@@ -71,3 +74,8 @@ def test_the_accelerator_path_reads_nothing_in_hooks_and_gives_the_same_rows(kwa
             for key in ("l2", "dead_units", "units", "zero_count", "nan_count"):
                 assert got[name][key] == pytest.approx(want[name][key]), (side, name, key)
     assert cap.forward.to_dict()["params"]["3"]["dead_units"] == 4
+    if kwargs.get("histogram"):  # the exponent histograms, taken in the hooks on the device path too
+        assert "gradfuse.multi_tensor_exponent_histogram" in guard.seen
+        for side in ("forward", "backward"):
+            got, want = getattr(cap, side).exponent_histogram, getattr(on_cpu, side).exponent_histogram
+            assert torch.equal(got, want) and got.sum() > 0

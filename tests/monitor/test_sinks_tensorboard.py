@@ -1,5 +1,6 @@
-"""TensorBoardSink: exponent histograms and pictures, read back from the event files with
-TensorBoard's own reader (EventAccumulator, every histogram and image kept)."""
+"""TensorBoardSink: exponent histograms (of gradients, activations and activation gradients) and
+pictures, read back from the event files with TensorBoard's own reader (EventAccumulator, every
+histogram and image kept)."""
 import pytest
 import torch
 from torch import nn
@@ -83,6 +84,49 @@ def test_histograms_and_images_in_the_event_files(tmp_path):
         assert all(i.encoded_image_string.startswith(b"\x89PNG") and i.width > 100 for i in images)
     # scalars as before
     assert [s.step for s in acc.Scalars("grad/total_norm")] == logged
+
+
+def test_activation_exponent_histograms_in_the_event_files(tmp_path):
+    model = make_model()
+    writer = SummaryWriter(str(tmp_path))
+    records = []
+
+    class Keep:
+        def write(self, r):
+            records.append(r)
+
+    mon = GradMonitor(model, every=2, histogram=True, activations=True,
+                      sinks=[TensorBoardSink(writer), Keep()])
+    train(mon, model, 6)  # logs steps 0, 2, 4 (hooks armed for them) and on close step 5 (none)
+    writer.close()
+    logged = [r["step"] for r in records]
+    assert logged == [0, 2, 4, 5]
+    with_act = [r for r in records if "act_exponents" in r]
+    assert [r["step"] for r in with_act] == [0, 2, 4]
+    # elements per layer: a batch of 3 through Linear(4, 8), ReLU, Linear(8, 2); the model's
+    # own output is the last Linear's
+    numel = {"0": 3 * 8, "1": 3 * 8, "2": 3 * 2, "(root)": 3 * 2}
+    acc = read_events(tmp_path)
+    tags = acc.Tags()["histograms"]
+    for key, prefix, stats in (("act_exponents", "activation_exponent", "act"),
+                               ("act_grad_exponents", "activation_grad_exponent", "act_grad")):
+        assert sorted(t for t in tags if t.startswith(prefix + "/")) == sorted(f"{prefix}/{layer}" for layer in numel)
+        for layer, n in numel.items():
+            events = acc.Histograms(f"{prefix}/{layer}")
+            assert [e.step for e in events] == [0, 2, 4]
+            for e, r in zip(events, with_act):
+                agg = r[stats][layer]
+                assert agg["numel"] == n
+                edges, counts = exponent_buckets(r[key][layer])
+                h = e.histogram_value
+                assert list(h.bucket_limit) == edges[1:] and list(h.bucket) == counts
+                assert h.min == edges[0] and h.max == edges[-1]
+                # every finite non-zero element the layer's outputs (or their gradients) held
+                assert 0 < h.num == sum(counts) == n - agg["zero_count"] - agg["nan_count"] - agg["inf_count"]
+    assert any(r["act"]["1"]["zero_count"] for r in with_act)  # the ReLU's zeros are left out
+    # the gradient histograms as before, on every logged step
+    assert [e.step for e in acc.Histograms("grad_exponent/0")] == logged
+    assert sorted(t for t in tags if t.startswith("grad_exponent/")) == ["grad_exponent/0", "grad_exponent/2"]
 
 
 def test_plain_sink_as_before_and_a_figure_fn(tmp_path):

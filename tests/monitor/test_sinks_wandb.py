@@ -135,6 +135,46 @@ def test_offline_run_holds_metrics_histograms_images_summary_and_config(offline)
     assert summary["grad/last_anomaly"] == "explode" and summary["grad/last_anomaly_step"] == 3
 
 
+def test_offline_run_holds_the_activation_exponent_histograms(offline):
+    run = wandb.init(project="gradfuse-test", dir=str(offline))
+    model = make_model()
+    records = []
+
+    class Keep:
+        def write(self, r):
+            records.append(r)
+
+    try:
+        mon = GradMonitor(model, every=2, histogram=True, activations=True,
+                          sinks=[WandbSink(run), Keep()])
+        for _ in range(4):
+            model.zero_grad()
+            model(torch.randn(3, 4)).square().mean().backward()
+            mon.step()
+        mon.close()
+    finally:
+        run.finish()
+    with_act = [r for r in records if "act_exponents" in r]
+    assert [r["step"] for r in with_act] == [0, 2]  # the steps the hooks were armed for
+    numel = {"0": 3 * 8, "1": 3 * 8, "2": 3 * 2, "(root)": 3 * 2}  # batch 3: Linear(4, 8), ReLU, Linear(8, 2)
+    rows = history(finished_run_records(offline))
+    for r in with_act:
+        row = rows[r["step"]]
+        for key, prefix, stats in (("act_exponents", "activation_exponent", "act"),
+                                   ("act_grad_exponents", "activation_grad_exponent", "act_grad")):
+            assert sorted(r[key]) == sorted(numel)
+            for layer, n in numel.items():
+                edges, counts = exponent_buckets(r[key][layer])
+                agg = r[stats][layer]
+                assert agg["numel"] == n
+                assert 0 < sum(counts) == n - agg["zero_count"] - agg["nan_count"] - agg["inf_count"]
+                assert row[(f"{prefix}/{layer}", "_type")] == "histogram"
+                assert row[(f"{prefix}/{layer}", "values")] == counts
+                assert row[(f"{prefix}/{layer}", "bins")] == edges
+        assert row[("grad_exponent/0", "_type")] == "histogram"  # the gradients' as before
+    assert not any(k[0].startswith("activation_") for k in rows[3])  # step 3, logged on close: no hooks
+
+
 def test_wandb_run_none_writes_to_the_current_run(offline):
     sink = WandbSink(None)
     rec = {"step": 1, "total_norm": 2.0, "nonfinite": False, "skipped": False, "clip_coef": None,
