@@ -92,6 +92,18 @@ def gradfuse_monitor_step(named):
     return lambda: mon.step()
 
 
+def stats_op(named):
+    """The fused op alone on the gradients: per-tensor rows, norm 2 (what every entry point runs)."""
+    grads = [p.grad for _, p in named]
+    return lambda: gradfuse.ops.multi_tensor_stats(grads, 2.0)
+
+
+def moments_op(named):
+    """The same pass with the stable second moment (activation std): its cost over stats_op."""
+    grads = [p.grad for _, p in named]
+    return lambda: gradfuse.ops.multi_tensor_moments(grads)
+
+
 def memory_read(named):
     """The machine's read bandwidth on as many bytes as the gradients: a float32 sum."""
     src = torch.ones(grad_bytes(named) // 4, dtype=torch.float32, device=named[0][1].grad.device)
@@ -118,6 +130,8 @@ METHODS = {
     "gradfuse_watch_stats": (gradfuse_watch_stats, 1, "gradfuse.watch(...).stats(): parameters resolved once"),
     "gradfuse_watch_clip": (gradfuse_watch_clip, 1, "gradfuse.watch(...).clip_(), no clipping needed"),
     "gradfuse_monitor_step": (gradfuse_monitor_step, 1, "GradMonitor.step(): max_norm set, no policy, no logging"),
+    "stats_op": (stats_op, 1, "ops.multi_tensor_stats (norm 2) alone: one read"),
+    "moments_op": (moments_op, 1, "ops.multi_tensor_moments alone: the same read, with sum (x - mean)^2"),
     "memory_read": (memory_read, 1, "float32 sum of N bytes: the read bandwidth"),
     "memory_copy": (memory_copy, 2, "copy of N bytes: the copy bandwidth"),
 }

@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 
 ORDER = ["gradfuse_stats", "gradfuse_clip_noclip", "gradfuse_clip_clipping", "gradfuse_clip_grad_norm_",
-         "gradfuse_watch_stats", "gradfuse_watch_clip", "gradfuse_monitor_step",
+         "gradfuse_watch_stats", "gradfuse_watch_clip", "gradfuse_monitor_step", "stats_op", "moments_op",
          "torch_clip_foreach", "torch_clip_loop", "torch_foreach_stats", "hook_loop",
          "memory_read", "memory_copy"]
 

@@ -37,7 +37,7 @@ def test_summary_table_and_chart(tmp_path):
     assert "**many_small, float32** (200 tensors" in md and "**tiny, float32** (200 tensors" in md
     for name in ("gradfuse_stats", "gradfuse_clip_clipping", "torch_clip_foreach", "hook_loop",
                  "torch_foreach_stats", "memory_read", "memory_copy", "gradfuse_watch_stats",
-                 "gradfuse_watch_clip", "gradfuse_monitor_step"):
+                 "gradfuse_watch_clip", "gradfuse_monitor_step", "stats_op", "moments_op"):
         assert f"| {name} |" in md
     assert png.read_bytes()[:4] == b"\x89PNG"
 
