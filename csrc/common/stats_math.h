@@ -39,7 +39,6 @@ inline PowMode pow_mode_for(double norm_type) {
 // Columns of the float statistics, per chunk and per tensor. The rows of multi_tensor_moments
 // hold the sum of squared deviations from the mean (M2) in place of the power sum.
 enum FloatStat : int { kSum = 0, kSumSq = 1, kMaxAbs = 2, kPowSum = 3, kNumFloatStats = 4 };
-constexpr int kM2 = kPowSum;
 // Columns of the count statistics. Numel is not accumulated: the finalise step writes it, so
 // the per-tensor results carry everything the Python side needs without a host-to-device copy.
 enum CountStat : int { kNanCount = 0, kInfCount = 1, kZeroCount = 2, kNumel = 3, kNumCountStats = 4 };
@@ -170,9 +169,11 @@ struct ElementAcc {
   }
 };
 
-// The shift of kMoments for a tensor whose first element is x0: x0 itself when finite (any
-// element of the data keeps x - K of the size of the spread), else 0 (a NaN or Inf row's
-// moments are NaN in any case, and its sum must stay what an unshifted sum gives).
+// The shift of kMoments for a tensor whose first element is x0: x0 itself when finite, else 0
+// (a NaN or Inf row's moments are NaN in any case, and its sum must stay what an unshifted sum
+// gives). A value of the data keeps x - K of the size of the spread; the float rounding of the
+// sums is amplified by about 1 + ((mean - K) / std)^2, so only an x0 that is itself a far
+// outlier costs digits (and then the outlier dominates the spread).
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t moment_shift(acc_t x0) {
   return ::fabs(x0) < acc_t(INFINITY) ? x0 : acc_t(0);

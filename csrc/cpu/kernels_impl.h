@@ -2,8 +2,8 @@
 //
 // Statistics: the two passes of stats_math.h, as the CUDA kernel runs them. Pass 1 keeps sum,
 // sum of squares, max |x|, zero count (and sum |x|^p when the norm needs it; with kMoments, sum
-// and powsum of x - K) in independent vector lanes; its scalar tail is ElementAcc::add itself. Pass 2 (NaN and Inf counts) runs only
-// on a chunk whose sum of squares is not finite.
+// and powsum of x - K) in independent vector lanes; its scalar tail is ElementAcc::add itself.
+// Pass 2 (NaN and Inf counts) runs only on a chunk whose sum of squares is not finite.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>

@@ -312,8 +312,9 @@ _NOT_PICTURED = ("params", "act", "act_grad", "act_exponents", "act_grad_exponen
 
 class _Pictures:
     """The pictures of a sink: a bounded window of the records it wrote (without ``params``,
-    ``act``, ``act_grad`` and their exponent histograms), and every ``every``-th logged step (a record of a step already counted,
-    an anomaly's re-log, is not counted again) the figures of that window."""
+    ``act``, ``act_grad`` and their exponent histograms), and every ``every``-th logged step (a
+    record of a step already counted, an anomaly's re-log, is not counted again) the figures of
+    that window."""
 
     def __init__(self, every: int, figure_fn, window: int):
         if every < 0 or window < 1:

@@ -139,3 +139,23 @@ def test_more_than_2_pow_31_elements_bf16():
     assert f[0, 2].item() == 2.0
     ops.multi_tensor_scale_([x], torch.tensor(0.5, device="cuda"))
     assert x[-1].item() == 1.0 and x[2**31 + 6].item() == 0.5
+
+
+def test_moments_match_the_float64_two_pass_without_a_host_sync():
+    """multi_tensor_moments on the GPU: M2 of data far from zero, against a float64 two-pass and
+    the CPU backend; the shift travels from the items to the finalize on the device."""
+    from helpers import assert_moments_close
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sizes = [2, 17, CHUNK - 1, CHUNK + 1, 3 * CHUNK + 5, 1000, 0]
+    for dtype, offset in ((torch.float32, 1e6), (torch.bfloat16, 100.0), (torch.float64, 1e8)):
+        tensors = [(offset + torch.randn(n, generator=g, device="cuda", dtype=torch.float64)).to(dtype)
+                   for n in sizes]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ops.multi_tensor_moments(tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        cpu = [t.cpu() for t in tensors]
+        assert_moments_close(cpu, tuple(r.cpu() for r in got))
+        assert_moments_close(cpu, tuple(r.cpu() for r in got), expected=ops.multi_tensor_moments(cpu))
