@@ -22,7 +22,7 @@ namespace gradfuse {
 // Which extra power sum a pass needs for the requested norm_type.
 // p == 2 and p == inf are read off sumsq and maxabs, p == 1 needs sum|x|, any other p needs pow.
 // kMoments (multi_tensor_moments, norm_type 2) adds a stable second moment: the pass's parameter
-// is then a shift K (the tensor's first element, see moment_shift), `sum` accumulates x - K and
+// is then a shift K (a value of the tensor, see moment_shift), `sum` accumulates x - K and
 // `powsum` (x - K)^2, and finish_moments turns them into the sum of x and the sum of squared
 // deviations from the mean. (sum x^2 - (sum x)^2 / n loses every digit when |mean| >> std; with
 // K taken from the data, x - K is of the size of the spread, and exact in float when x and K
@@ -169,14 +169,30 @@ struct ElementAcc {
   }
 };
 
-// The shift of kMoments for a tensor whose first element is x0: x0 itself when finite, else 0
-// (a NaN or Inf row's moments are NaN in any case, and its sum must stay what an unshifted sum
-// gives). A value of the data keeps x - K of the size of the spread; the float rounding of the
-// sums is amplified by about 1 + ((mean - K) / std)^2, so only an x0 that is itself a far
-// outlier costs digits (and then the outlier dominates the spread).
-template <typename acc_t>
-C10_HOST_DEVICE inline acc_t moment_shift(acc_t x0) {
-  return ::fabs(x0) < acc_t(INFINITY) ? x0 : acc_t(0);
+// The shift K of kMoments for the tensor x[0, n): the median of five of its elements (the first,
+// the last and the three quarter points), or 0 when that is not finite (a NaN or Inf row's
+// moments are NaN in any case, and its sum must stay what an unshifted sum gives). The float
+// rounding of the sums is amplified by about 1 + ((mean - K) / std)^2: a value of the data keeps
+// that small, and the median keeps it small when one or two of the five are outliers (the first
+// position of a sequence often is one: a start token's large activations). Five loads per block
+// on the GPU; the same five on every block of the tensor, and on the CPU.
+template <typename acc_t, typename scalar_t>
+C10_HOST_DEVICE inline acc_t moment_shift(const scalar_t* x, int64_t n) {
+  if (n <= 0) return acc_t(0);
+  acc_t v[5];
+  for (int k = 0; k < 5; ++k) v[k] = static_cast<acc_t>(x[(n - 1) * k / 4]);
+  // median of five by a partial insertion sort of the first three places (NaN compares false
+  // and may land anywhere: the result is then not finite, or a finite value of the data)
+  for (int i = 0; i < 3; ++i) {
+    for (int j = i + 1; j < 5; ++j) {
+      if (v[j] < v[i]) {
+        const acc_t t = v[i];
+        v[i] = v[j];
+        v[j] = t;
+      }
+    }
+  }
+  return ::fabs(v[2]) < acc_t(INFINITY) ? v[2] : acc_t(0);
 }
 
 // Pass 2, for chunks with a NaN or Inf somewhere.

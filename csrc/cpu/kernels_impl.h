@@ -58,12 +58,20 @@ int64_t for_each_vector_pair(const scalar_t* x, int64_t n, F&& f) {
 }
 
 // Whether a zero-padded last vector step leaves the sums as they are: not for |x|^p with p <= 0
-// (the raw op; gradfuse sends p < 0 elsewhere), nor for kMoments, whose padded zeros would add
-// (0 - K) and K^2 (taken off again, K^2 would swamp the sum of squared deviations). Those
-// tails (< one step) take ElementAcc::add instead.
+// (the raw op; gradfuse sends p < 0 elsewhere), whose tail (< one step) takes ElementAcc::add
+// instead. kMoments pads its shift vector with zeros too (padded_shift): a padded lane then adds
+// 0 - 0, not (0 - K) and K^2, which taken off again would swamp the sum of squared deviations.
 template <PowMode mode>
 inline bool padding_adds_nothing(double p) {
-  return mode != PowMode::kMoments && (mode != PowMode::kPow || p > 0);
+  return mode != PowMode::kPow || p > 0;
+}
+
+// The shift K as `count` elements of scalar_t followed by zeros (kPairElems in all, as the tail
+// buffer): loaded like the tail, the lanes of its first `count` elements hold K, the others 0.
+// K is an element of the tensor, so exact in scalar_t.
+template <typename scalar_t, int64_t kElems>
+inline void fill_padded_shift(scalar_t (&buf)[kElems], double shift, int64_t count) {
+  for (int64_t i = 0; i < kElems; ++i) buf[i] = i < count ? static_cast<scalar_t>(shift) : scalar_t(0);
 }
 
 // Lane sums. A float sum of thousands of values in sequence drifts from float64 (each addition
@@ -153,7 +161,18 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
     scalar_t buf[kPairElems<scalar_t>];
     std::memset(static_cast<void*>(buf), 0, sizeof(buf));
     std::memcpy(static_cast<void*>(buf), x + done, rem * sizeof(scalar_t));
-    for_each_vector_pair(buf, kPairElems<scalar_t>, add);
+    if constexpr (mode == PowMode::kMoments) {
+      scalar_t shift_buf[kPairElems<scalar_t>];
+      fill_padded_shift(shift_buf, p, rem);
+      VA s_lo, s_hi;
+      for_each_vector_pair(shift_buf, kPairElems<scalar_t>, [&](const VA& lo, const VA& hi) { s_lo = lo, s_hi = hi; });
+      for_each_vector_pair(buf, kPairElems<scalar_t>, [&](const VA& lo, const VA& hi) {
+        l0.template add<mode>(lo, s_lo);
+        l1.template add<mode>(hi, s_hi);
+      });
+    } else {
+      for_each_vector_pair(buf, kPairElems<scalar_t>, add);
+    }
     mid.template add<mode>(l0.run, l1.run);
     padded = kPairElems<scalar_t> - rem;
     done = n;
@@ -289,10 +308,12 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   const VA pv(static_cast<float>(p)), zeros(0.f);
   const LaneSums<float> no_sums{zeros, zeros, zeros};
   LaneSums<float> r0 = no_sums, r1 = no_sums, mid = no_sums, top = no_sums;
-  const auto step = [&](__m256 lo, __m256 hi, LaneSums<float>& r0, LaneSums<float>& r1) {
+  // s0, s1: the shift of kMoments per lane (pv; in the tail 0 in the padded lanes)
+  const auto step = [&](__m256 lo, __m256 hi, LaneSums<float>& r0, LaneSums<float>& r1, const VA& s0,
+                        const VA& s1) {
     const VA l(lo), h(hi);
-    add_sums<mode>(r0, l, pv);
-    add_sums<mode>(r1, h, pv);
+    add_sums<mode>(r0, l, s0);
+    add_sums<mode>(r1, h, s1);
     mx0 = _mm256_max_ps(mx0, lo);
     mn0 = _mm256_min_ps(mn0, lo);
     mx1 = _mm256_max_ps(mx1, hi);
@@ -315,7 +336,7 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
     // need more than the 16 vector registers (measured: a third slower on cached data).
     for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
       prefetch_ahead(bytes, nbytes, i * static_cast<int64_t>(sizeof(float)) + kAhead, pf);
-      step(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), r0, r1);
+      step(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), r0, r1, pv, pv);
     }
     mid.template add<mode>(r0, r1);
     r0 = r1 = no_sums;
@@ -329,7 +350,13 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   if (rem > 0 && padding_adds_nothing<mode>(p)) {  // zero-padded, as in reduce_vectorized
     const __m256 lo = rem >= 8 ? _mm256_loadu_ps(x + i) : load_tail_ps(x + i, rem);
     const __m256 hi = rem > 8 ? load_tail_ps(x + i + 8, rem - 8) : zero_ps;
-    step(lo, hi, r0, r1);
+    if constexpr (mode == PowMode::kMoments) {
+      alignas(32) float shift[kStep];
+      fill_padded_shift(shift, p, rem);
+      step(lo, hi, r0, r1, VA::loadu(shift), VA::loadu(shift + 8));
+    } else {
+      step(lo, hi, r0, r1, pv, pv);
+    }
     mid.template add<mode>(r0, r1);
     padded = kStep - rem;
     i = n;
@@ -368,15 +395,16 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
   const VA pv(static_cast<float>(p)), zeros(0.f);
   const LaneSums<float> no_sums{zeros, zeros, zeros};
   LaneSums<float> r0 = no_sums, r1 = no_sums, r2 = no_sums, r3 = no_sums, mid = no_sums, top = no_sums;
-  const auto step = [&](__m256i v, LaneSums<float>& r0, LaneSums<float>& r1) {
+  // s0, s1: the shift of kMoments per lane (pv; in the tail 0 in the padded lanes)
+  const auto step = [&](__m256i v, LaneSums<float>& r0, LaneSums<float>& r1, const VA& s0, const VA& s1) {
     const __m256i a = _mm256_and_si256(v, abs_mask);
     zero_lanes = _mm256_sub_epi16(zero_lanes, _mm256_cmpeq_epi16(a, zero_bits));  // -1 per zero
     max_bits = _mm256_max_epu16(max_bits, a);
     __m256 lo, hi;
     widen16<scalar_t>(v, lo, hi);
     const VA l(lo), h(hi);
-    add_sums<mode>(r0, l, pv);
-    add_sums<mode>(r1, h, pv);
+    add_sums<mode>(r0, l, s0);
+    add_sums<mode>(r1, h, s1);
     if constexpr (mode == PowMode::kAbs || mode == PowMode::kPow) {
       __m256 alo, ahi;
       widen16<scalar_t>(a, alo, ahi);  // |x|, exactly
@@ -398,9 +426,9 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
     // the sum-of-squares FMA chain bounded the loop (half of what the vector units can do).
     for (int k = 0; k < kRun && n - i >= kStep; ++k) {
       prefetch_ahead(bytes, nbytes, i * static_cast<int64_t>(sizeof(scalar_t)) + kAhead, pf);
-      step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), r0, r1);
+      step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), r0, r1, pv, pv);
       if (n - i >= 2 * kStep) {
-        step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kStep)), r2, r3);
+        step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kStep)), r2, r3, pv, pv);
         i += 2 * kStep;
       } else {
         i += kStep;
@@ -419,7 +447,16 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
   if (rem > 0 && padding_adds_nothing<mode>(p)) {  // zero-padded, as in reduce_vectorized
     alignas(32) uint16_t buf[kStep] = {};
     std::memcpy(buf, x + i, rem * sizeof(scalar_t));
-    step(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)), r0, r1);
+    if constexpr (mode == PowMode::kMoments) {
+      // widened as the data, so each lane's shift sits where its element does
+      alignas(32) scalar_t shift[kStep];
+      fill_padded_shift(shift, p, rem);
+      __m256 s_lo, s_hi;
+      widen16<scalar_t>(_mm256_load_si256(reinterpret_cast<const __m256i*>(shift)), s_lo, s_hi);
+      step(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)), r0, r1, VA(s_lo), VA(s_hi));
+    } else {
+      step(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)), r0, r1, pv, pv);
+    }
     mid.template add<mode>(r0, r1);
     padded = kStep - rem;
     i = n;
@@ -479,9 +516,7 @@ inline StatsAcc<acc_of<scalar_t>> reduce_chunk(const scalar_t* x, int64_t n, dou
 // StatsTensorsFn (kernels.h) for one dtype and mode.
 template <typename scalar_t>
 double tensor_shift(const Span& span) {
-  return span.numel ? static_cast<double>(moment_shift(static_cast<acc_of<scalar_t>>(
-                          static_cast<const scalar_t*>(span.data)[0])))
-                    : 0.0;
+  return static_cast<double>(moment_shift<acc_of<scalar_t>>(static_cast<const scalar_t*>(span.data), span.numel));
 }
 
 template <typename scalar_t, PowMode mode>

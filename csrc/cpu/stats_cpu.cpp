@@ -93,7 +93,7 @@ double shift_of(const Span& span, at::ScalarType dtype) {
   if (span.numel == 0) return 0.0;
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gradfuse_shift", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    return static_cast<double>(moment_shift(static_cast<acc_t>(static_cast<const scalar_t*>(span.data)[0])));
+    return static_cast<double>(moment_shift<acc_t>(static_cast<const scalar_t*>(span.data), span.numel));
   });
 }
 

@@ -76,8 +76,9 @@ struct StatsOp {
     const int tid = static_cast<int>(threadIdx.x);
     if constexpr (mode == PowMode::kMoments) {
       static_assert(!Table::kHasUnits, "moments of whole tensors only");
-      // The tensor's shift, the same in every chunk: one load per block, from L2 after the first.
-      const acc_t shift = moment_shift(static_cast<acc_t>(static_cast<const scalar_t*>(table.data[it.tensor])[0]));
+      // The tensor's shift, the same in every chunk: five loads per block, from L2 after the first.
+      const acc_t shift = moment_shift<acc_t>(static_cast<const scalar_t*>(table.data[it.tensor]),
+                                               table.numel[it.tensor]);
       const auto s = range_stats<kThreads, mode>(x, static_cast<int>(it.n), tid, shift);
       if (tid == 0) {
         store(s, it.prow);

@@ -38,7 +38,7 @@ def multi_tensor_moments(tensors: list[torch.Tensor]):
     Returns ``(floats, counts)`` as ``multi_tensor_stats``, except that column ``M2`` (the power
     sum's) holds the sum of squared deviations from each tensor's mean, ``sum (x - mean)^2``:
     the variance is ``M2 / (numel - 1)``. The kernels accumulate ``x - K`` and ``(x - K)^2``
-    about a shift ``K`` taken from the data (the tensor's first element when finite), so the
+    about a shift ``K`` taken from the data (the median of five of the tensor's elements), so the
     result keeps its precision when ``|mean|`` is many times the spread, where
     ``sum x^2 - (sum x)^2 / n`` keeps none. NaN where the tensor holds a NaN or an Inf.
     """

@@ -150,7 +150,9 @@ def test_moments(emu, dtype, offset):
 def test_moments_planted_views_and_tables(emu, dtype):
     tensors = planted_tensors(dtype)
     base = randn(2 * CHUNK + 64, dtype, seed=9) + 40
-    tensors += [base[1:], base[3:CHUNK + 20], base[5:6]]
+    far = randn(CHUNK + 77, dtype, seed=10) + 40
+    far[[0, -1]] = 340  # two of the five positions the shift is read from: the median holds
+    tensors += [base[1:], base[3:CHUNK + 20], base[5:6], far]
     check_moments(emu, tensors)
     table = emu.max_tensors_per_launch()
     sizes = [0 if i % 5 == 0 else 1 + i % 37 for i in range(table + 9)]

@@ -52,6 +52,18 @@ def test_the_unshifted_formula_fails_where_moments_do_not(cpu_capability):
     assert abs(got - m2) / m2 < 1e-5
 
 
+@pytest.mark.parametrize("outliers", [[0], [0, -1], [0, 1, 2, 3]])
+def test_an_outlier_where_the_shift_is_read(cpu_capability, outliers):
+    """A start token's activations are often far out: the first element (and a second sampled
+    position) 300 spreads away must not cost digits. Four outliers in a row (only one of them
+    sampled) neither."""
+    x = offset_data(100_003, torch.float32, 1e6, 1.0)
+    for i in outliers:
+        x[i] = 1e6 + 300.0
+    floats, counts = moments_op([x])
+    check_rows([x], floats, counts)
+
+
 def test_reference_matches_the_kernels(dtype):
     tensors = [offset_data(n, dtype, 300.0, 2.0, seed=i) for i, n in enumerate([3, 100, CHUNK + 9])]
     floats, counts = ops.reference.multi_tensor_moments(tensors)
