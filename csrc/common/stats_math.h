@@ -176,15 +176,22 @@ struct ElementAcc {
 // that small, and the median keeps it small when one or two of the five are outliers (the first
 // position of a sequence often is one: a start token's large activations). Five loads per block
 // on the GPU; the same five on every block of the tensor, and on the CPU.
+constexpr int kShiftSamples = 5;
+
+// The index of sample k (< kShiftSamples) of a tensor of n > 0 elements.
+C10_HOST_DEVICE inline int64_t shift_sample(int64_t n, int k) {
+  return (n - 1) * k / (kShiftSamples - 1);
+}
+
 template <typename acc_t, typename scalar_t>
 C10_HOST_DEVICE inline acc_t moment_shift(const scalar_t* x, int64_t n) {
   if (n <= 0) return acc_t(0);
-  acc_t v[5];
-  for (int k = 0; k < 5; ++k) v[k] = static_cast<acc_t>(x[(n - 1) * k / 4]);
+  acc_t v[kShiftSamples];
+  for (int k = 0; k < kShiftSamples; ++k) v[k] = static_cast<acc_t>(x[shift_sample(n, k)]);
   // median of five by a partial insertion sort of the first three places (NaN compares false
   // and may land anywhere: the result is then not finite, or a finite value of the data)
   for (int i = 0; i < 3; ++i) {
-    for (int j = i + 1; j < 5; ++j) {
+    for (int j = i + 1; j < kShiftSamples; ++j) {
       if (v[j] < v[i]) {
         const acc_t t = v[i];
         v[i] = v[j];

@@ -533,7 +533,16 @@ void stats_tensors_typed(const ChunkArgs& args, double p, int64_t begin, int64_t
   // the next tensors' while this one is reduced.
   constexpr int64_t kAhead = 8;
   for (; t < n && (fc[t] < end || end == total); ++t) {
-    if (t + kAhead < n) __builtin_prefetch(args.spans[t + kAhead].data);
+    if (t + kAhead < n) {
+      const Span& ahead = args.spans[t + kAhead];
+      if constexpr (mode == PowMode::kMoments) {  // the shift's samples, each on a line of its own
+        for (int k = 0; k < kShiftSamples && ahead.numel; ++k) {
+          __builtin_prefetch(static_cast<const scalar_t*>(ahead.data) + shift_sample(ahead.numel, k));
+        }
+      } else {
+        __builtin_prefetch(ahead.data);
+      }
+    }
     const Span span = args.spans[t];
     const auto* x = static_cast<const scalar_t*>(span.data);
     // kMoments: the pass's parameter is the tensor's shift (the same for all of its chunks)
