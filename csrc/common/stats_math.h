@@ -176,6 +176,15 @@ struct ElementAcc {
 // that small, and the median keeps it small when one or two of the five are outliers (the first
 // position of a sequence often is one: a start token's large activations). Five loads per block
 // on the GPU; the same five on every block of the tensor, and on the CPU.
+template <typename T>
+C10_HOST_DEVICE inline T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+C10_HOST_DEVICE inline T max_of(T a, T b) {
+  return a < b ? b : a;
+}
+
 constexpr int kShiftSamples = 5;
 
 // The index of sample k (< kShiftSamples) of a tensor of n > 0 elements.
@@ -188,18 +197,14 @@ C10_HOST_DEVICE inline acc_t moment_shift(const scalar_t* x, int64_t n) {
   if (n <= 0) return acc_t(0);
   acc_t v[kShiftSamples];
   for (int k = 0; k < kShiftSamples; ++k) v[k] = static_cast<acc_t>(x[shift_sample(n, k)]);
-  // median of five by a partial insertion sort of the first three places (NaN compares false
-  // and may land anywhere: the result is then not finite, or a finite value of the data)
-  for (int i = 0; i < 3; ++i) {
-    for (int j = i + 1; j < kShiftSamples; ++j) {
-      if (v[j] < v[i]) {
-        const acc_t t = v[i];
-        v[i] = v[j];
-        v[j] = t;
-      }
-    }
-  }
-  return ::fabs(v[2]) < acc_t(INFINITY) ? v[2] : acc_t(0);
+  // The median of five without branches (a tiny tensor pays this per call): the larger of the
+  // two pairs' minima and the smaller of their maxima drop the lowest and the highest of four;
+  // the median of those two and the fifth is the median of all five. (A NaN may make it any
+  // of them: the row is NaN in any case.)
+  const acc_t f = max_of(min_of(v[0], v[1]), min_of(v[2], v[3]));
+  const acc_t g = min_of(max_of(v[0], v[1]), max_of(v[2], v[3]));
+  const acc_t m = max_of(min_of(v[4], f), min_of(max_of(v[4], f), g));
+  return ::fabs(m) < acc_t(INFINITY) ? m : acc_t(0);
 }
 
 // Pass 2, for chunks with a NaN or Inf somewhere.
