@@ -52,7 +52,7 @@ def test_the_unshifted_formula_fails_where_moments_do_not(cpu_capability):
     assert abs(got - m2) / m2 < 1e-5
 
 
-@pytest.mark.parametrize("outliers", [[0], [0, -1], [0, 1, 2, 3]])
+@pytest.mark.parametrize("outliers", [[0], [0, -1], [0, 50_001], [25_000, 75_001], [0, 1, 2, 3]])
 def test_an_outlier_where_the_shift_is_read(cpu_capability, outliers):
     """A start token's activations are often far out: the first element (and a second sampled
     position) 300 spreads away must not cost digits. Four outliers in a row (only one of them
