@@ -119,3 +119,13 @@ class NoFloat64(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.dtype in (torch.float64, torch.complex128):
                 raise AssertionError(f"{func} used a {t.dtype} tensor")
         return out
+
+
+class ListSink:
+    """A monitor sink that keeps every record it is given, in ``records``."""
+
+    def __init__(self):
+        self.records = []
+
+    def write(self, record):
+        self.records.append(record)

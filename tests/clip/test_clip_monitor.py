@@ -9,14 +9,7 @@ from torch import nn
 
 import gradfuse
 from gradfuse import GradientAnomaly, GradMonitor
-
-
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def write(self, record):
-        self.records.append(record)
+from helpers import ListSink
 
 
 def make_model(seed=0):

@@ -8,7 +8,7 @@ import torch
 
 import gradfuse
 from gradfuse.ops import library
-from helpers import NoFloat64
+from helpers import ListSink, NoFloat64
 
 
 def _model(seed=0):
@@ -73,16 +73,12 @@ def test_clip_grad_norm_in_float32(cpu_without_float64, monkeypatch, norm_type):
 
 def test_clip_modes_and_monitor_in_float32(cpu_without_float64):
     m = _model()
-    records = []
-
-    class ListSink:
-        def write(self, record):
-            records.append(record)
-
+    sink = ListSink()
+    records = sink.records
     with NoFloat64():
         per = gradfuse.clip_(m, max_norm=0.5, per="layer")
         value = gradfuse.clip_(m, max_norm=None, value=1e-3)
-        mon = gradfuse.GradMonitor(m, max_norm=0.1, every=1, sinks=[ListSink()],
+        mon = gradfuse.GradMonitor(m, max_norm=0.1, every=1, sinks=[sink],
                                    explode_threshold=1e9)
         report = mon.step()
         zc = gradfuse.ZClip(warmup_steps=1, max_grad_norm=1.0)

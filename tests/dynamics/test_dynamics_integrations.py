@@ -10,6 +10,7 @@ from torch import nn
 import gradfuse
 from gradfuse.core.grad_stats import layer_of
 from gradfuse.sinks import metrics
+from helpers import ListSink
 
 
 def ratios_from_copies(before, after, names):
@@ -21,14 +22,6 @@ def ratios_from_copies(before, after, names):
     return {k: math.sqrt(u2[k] / w2[k]) for k in u2}
 
 
-class Keep:
-    def __init__(self):
-        self.records = []
-
-    def write(self, record):
-        self.records.append(record)
-
-
 def test_attach_sees_micro_batches_and_logs_both():
     # The quadratic problem of test_noise_scale: B_simple = d s^2 / |w - mu|^2 = 64 / 4 = 16.
     torch.manual_seed(0)
@@ -36,7 +29,7 @@ def test_attach_sees_micro_batches_and_logs_both():
     mu = torch.randn(d)
     w = nn.Parameter(mu + 2.0 * nn.functional.normalize(torch.randn(d), dim=0))
     opt = torch.optim.SGD([w], lr=0.0, momentum=0.9)  # lr 0: w stays where the truth is known
-    sink = Keep()
+    sink = ListSink()
     handle = gradfuse.attach(opt, every=100, sinks=[sink], update_ratios=True,
                              noise_scale=gradfuse.NoiseScale(batch_size=batch, beta=0.998))
     gen = torch.Generator().manual_seed(5)
@@ -62,7 +55,7 @@ def test_attach_update_ratios_adamw_equal_copies():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sink = Keep()
+    sink = ListSink()
     handle = gradfuse.attach(opt, model, every=2, max_norm=1.0, sinks=[sink], update_ratios=True)
     names = [n for n, _ in model.named_parameters()]
     compared = 0

@@ -11,6 +11,7 @@ pytest.importorskip("matplotlib")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from gradfuse import GradMonitor, MLflowSink  # noqa: E402
+from helpers import ListSink
 
 
 def make_model():
@@ -33,14 +34,11 @@ def test_metrics_params_tags_and_figures(store):
     run = client.create_run(exp)
     run_id = run.info.run_id
     model = make_model()
-    records = []
-
-    class Keep:
-        def write(self, r):
-            records.append(r)
+    keep = ListSink()
+    records = keep.records
 
     mon = GradMonitor(model, max_norm=1e-3, every=2, explode_threshold=1e6,
-                      sinks=[MLflowSink(run_id, tracking_uri=uri, images_every=2), Keep()])
+                      sinks=[MLflowSink(run_id, tracking_uri=uri, images_every=2), keep])
     for i in range(6):
         model.zero_grad()
         loss = model(torch.randn(3, 4)).square().mean()

@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 from gradfuse import GradMonitor, TensorBoardSink  # noqa: E402
 from gradfuse.monitor.figures import gradflow_figure  # noqa: E402
 from gradfuse.sinks import exponent_buckets  # noqa: E402
+from helpers import ListSink
 
 
 def make_model():
@@ -47,14 +48,11 @@ def test_exponent_buckets_on_the_log2_axis():
 def test_histograms_and_images_in_the_event_files(tmp_path):
     model = make_model()
     writer = SummaryWriter(str(tmp_path))
-    records = []
-
-    class Keep:
-        def write(self, r):
-            records.append(r)
+    keep = ListSink()
+    records = keep.records
 
     mon = GradMonitor(model, max_norm=1e-3, every=2, histogram=True,
-                      sinks=[TensorBoardSink(writer, images_every=2), Keep()])
+                      sinks=[TensorBoardSink(writer, images_every=2), keep])
     train(mon, model, 8)  # logs steps 0, 2, 4, 6 and on close step 7
     writer.close()
     logged = [r["step"] for r in records]
@@ -89,14 +87,11 @@ def test_histograms_and_images_in_the_event_files(tmp_path):
 def test_activation_exponent_histograms_in_the_event_files(tmp_path):
     model = make_model()
     writer = SummaryWriter(str(tmp_path))
-    records = []
-
-    class Keep:
-        def write(self, r):
-            records.append(r)
+    keep = ListSink()
+    records = keep.records
 
     mon = GradMonitor(model, every=2, histogram=True, activations=True,
-                      sinks=[TensorBoardSink(writer), Keep()])
+                      sinks=[TensorBoardSink(writer), keep])
     train(mon, model, 6)  # logs steps 0, 2, 4 (hooks armed for them) and on close step 5 (none)
     writer.close()
     logged = [r["step"] for r in records]

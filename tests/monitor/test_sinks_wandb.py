@@ -17,6 +17,7 @@ pytest.importorskip("matplotlib")
 
 from gradfuse import GradMonitor, WandbSink  # noqa: E402
 from gradfuse.sinks import exponent_buckets  # noqa: E402
+from helpers import ListSink
 
 
 def read_run_file(path):
@@ -84,15 +85,12 @@ def make_model():
 def test_offline_run_holds_metrics_histograms_images_summary_and_config(offline):
     run = wandb.init(project="gradfuse-test", dir=str(offline))
     model = make_model()
-    records = []
-
-    class Keep:
-        def write(self, r):
-            records.append(r)
+    keep = ListSink()
+    records = keep.records
 
     try:
         mon = GradMonitor(model, max_norm=1e-3, every=2, histogram=True, explode_threshold=1e6,
-                          sinks=[WandbSink(run, images_every=2), Keep()])
+                          sinks=[WandbSink(run, images_every=2), keep])
         for i in range(5):
             model.zero_grad()
             (model(torch.randn(3, 4)).square().mean() * (1e9 if i == 3 else 1.0)).backward()
@@ -138,15 +136,12 @@ def test_offline_run_holds_metrics_histograms_images_summary_and_config(offline)
 def test_offline_run_holds_the_activation_exponent_histograms(offline):
     run = wandb.init(project="gradfuse-test", dir=str(offline))
     model = make_model()
-    records = []
-
-    class Keep:
-        def write(self, r):
-            records.append(r)
+    keep = ListSink()
+    records = keep.records
 
     try:
         mon = GradMonitor(model, every=2, histogram=True, activations=True,
-                          sinks=[WandbSink(run), Keep()])
+                          sinks=[WandbSink(run), keep])
         for _ in range(4):
             model.zero_grad()
             model(torch.randn(3, 4)).square().mean().backward()
