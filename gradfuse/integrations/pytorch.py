@@ -150,6 +150,7 @@ class Attachment:
         # inner optimizer, and it is accelerate's own scaler (fp16) unless one is given.
         accelerated = [accelerate_parts(o) for o in optimizers]
         self._gradient_states = [a[1] for a in accelerated if a is not None]
+        self._accelerated = {id(o) for a, o in zip(accelerated, optimizers) if a is not None}
         own = {id(a[2]): a[2] for a in accelerated if a is not None and a[2] is not None}
         if scaler is None and len(own) == 1:
             scaler = next(iter(own.values()))
@@ -228,7 +229,14 @@ class Attachment:
     def _gate_decision(self, optimizer) -> bool:
         if self._in_scaler_step == id(optimizer):  # decided in scaler.step, which called us
             return self._skip
-        return self._decide(optimizer)
+        skip = self._decide(optimizer)
+        if id(optimizer) in self._accelerated:
+            # accelerate's LR scheduler does not advance when the optimizer's step_was_skipped,
+            # a read-only view of _is_overflow, which accelerate sets only around its scaler's
+            # step: a step skipped here is skipped for the scheduler too, as an fp16 overflow is
+            # (a step taken resets it; under a scaler accelerate then sets it again).
+            optimizer._is_overflow = skip
+        return skip
 
     def _scaler_step_call(self, optimizer, args, kwargs):
         if not any(optimizer is o for o in self.optimizers):

@@ -159,3 +159,39 @@ def test_accelerate_scaler_is_taken_and_its_bookkeeping_kept():
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
+    """accelerator.prepare(model, optimizer, scheduler): a step gradfuse skips (non-finite
+    gradients) is not taken, and accelerate's scheduler, which steps only when the optimizer's
+    step was not skipped, stays where it is, as after an fp16 overflow; the steps around it move
+    the learning rate as in a loop without the bad batch."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        handle = gradfuse.attach(opt, model, every=0, on_nonfinite="skip")
+        lrs, taken = [], []
+        for i in range(4):
+            x = torch.randn(3, 4)
+            if i == 2:
+                x[0, 0] = math.nan
+            before = model.weight.detach().clone()
+            accelerator.backward(model(x).sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+            taken.append(not torch.equal(before, model.weight))
+        assert taken == [True, True, False, True] and handle.monitor.skipped_steps == 1
+        assert lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
+        assert not opt.step_was_skipped  # the last step was taken
+        handle.detach()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
