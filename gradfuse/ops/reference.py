@@ -65,7 +65,7 @@ def multi_tensor_moments(tensors: list[torch.Tensor]):
     for t in tensors:
         x = t.detach().reshape(-1).to(acc)
         d = x - x.mean() if x.numel() else x
-        m2.append(d.square().sum() - d.sum() ** 2 / max(x.numel(), 1))
+        m2.append((d.square().sum() - d.sum() ** 2 / max(x.numel(), 1)).clamp(min=0))  # NaN stays
     floats[:, M2] = torch.stack(m2)
     return floats, counts
 
