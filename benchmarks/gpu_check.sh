@@ -34,7 +34,7 @@ stamp "CUDA benchmark"
 timeout 240 $PY -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
   --bench-device cuda --bench-size gpu --bench-workloads gpt2_small,many_small,few_large \
   --bench-dtypes float32,bfloat16 \
-  --bench-methods torch_clip_foreach,hook_loop,torch_foreach_stats,gradfuse_stats,gradfuse_clip_noclip,gradfuse_clip_clipping,memory_read,memory_copy \
+  --bench-methods torch_clip_foreach,hook_loop,torch_foreach_stats,gradfuse_stats,gradfuse_clip_noclip,gradfuse_clip_clipping,stats_op,moments_op,memory_read,memory_copy \
   --benchmark-json "$LOGS/bench.json" > "$LOGS/bench.log" 2>&1
 bench_rc=$?
 tail -n 5 "$LOGS/bench.log"
