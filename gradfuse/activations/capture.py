@@ -280,7 +280,7 @@ class ActivationStats(GradStats):
     @property
     def rms(self) -> torch.Tensor:
         """Root mean square per row: ``l2 / sqrt(numel)``."""
-        return self.l2 / self.numel.clamp(min=1).to(torch.float64).sqrt()
+        return self.l2 / self.numel.clamp(min=1).to(self.floats.dtype).sqrt()
 
     def _extra_host(self) -> list[list[float]]:
         return self._memo("extra_host", self._read_extra)

@@ -95,7 +95,9 @@ def test_the_float32_path_without_float64(cpu_without_float64):
     want = outputs_by_row(model, x)
     with NoFloat64(), gradfuse.capture_activations(model) as cap:
         model(x)
-    assert cap.forward.floats.dtype == torch.float32
+    with NoFloat64():
+        std, rms = cap.forward.std, cap.forward.rms
+    assert std.dtype == rms.dtype == cap.forward.floats.dtype == torch.float32
     got = cap.forward.to_dict()["params"]
     for name, out in want.items():
         assert got[name]["std"] == pytest.approx(out.std().item(), rel=1e-4), name
