@@ -20,6 +20,16 @@ BF16_NONE = "_ZN8gradfuse4cuda12stats_kernelIN3c108BFloat16ELNS_7PowModeE0EEEvNS
 FP32_ABS = "_ZN8gradfuse4cuda12stats_kernelIfLNS_7PowModeE1EEEvNS0_11LaunchTableEfPfPl"
 
 
+@pytest.fixture(scope="module")
+def built_sass():
+    """The sm_90 SASS of this build's gradfuse._C, disassembled once for the module's tests."""
+    if not library.has_kernel("cuda"):
+        pytest.skip("gradfuse._C built without CUDA kernels")
+    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
+        pytest.skip("the budget is defined for sm_90, which this build does not include")
+    return sass_budget.disassemble(library.extension.__file__, "sm_90")
+
+
 def fake_sass(name, body):
     """cuobjdump -sass text of one function: each line of `body` one instruction, addresses
     counted from 0; 'BRA @n' becomes a branch to instruction n."""
@@ -87,13 +97,8 @@ def test_a_stats_kernel_without_streaming_loop_is_an_error():
         sass_budget.stats_kernel_loops(sass)
 
 
-def test_built_stats_kernels_within_instruction_budget():
-    if not library.has_kernel("cuda"):
-        pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
-        pytest.skip("the budget is defined for sm_90, which this build does not include")
-    sass = sass_budget.disassemble(library.extension.__file__, "sm_90")
-    kernels = sass_budget.stats_kernel_loops(sass)
+def test_built_stats_kernels_within_instruction_budget(built_sass):
+    kernels = sass_budget.stats_kernel_loops(built_sass)
     report = sass_budget.report(kernels, "sm_90")
     print(report)
     found = sorted((k.dtype, k.mode, k.table) for k in kernels)
@@ -135,12 +140,8 @@ def test_clip_loop_is_the_unrolled_load_store_loop():
         sass_budget.clip_kernel_loops(fake_sass(SCALE_FP32, "LDG.E.128 R4, desc[UR4][R2.64]\n@P0 BRA @0\nEXIT"))
 
 
-def test_built_clip_kernels_within_instruction_budget():
-    if not library.has_kernel("cuda"):
-        pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
-        pytest.skip("the budget is defined for sm_90, which this build does not include")
-    kernels = sass_budget.clip_kernel_loops(sass_budget.disassemble(library.extension.__file__, "sm_90"))
+def test_built_clip_kernels_within_instruction_budget(built_sass):
+    kernels = sass_budget.clip_kernel_loops(built_sass)
     report = sass_budget.clip_report(kernels, "sm_90")
     print(report)
     found = sorted((k.kind, k.dtype, k.table) for k in kernels)
@@ -167,12 +168,8 @@ def test_hist_finds_pass_one_loop_not_pass_two():
         sass_budget.hist_kernel_loops(fake_sass(HIST_BF16, pass2 + "@P1 BRA @0\nEXIT"))
 
 
-def test_built_hist_kernels_within_instruction_budget():
-    if not library.has_kernel("cuda"):
-        pytest.skip("gradfuse._C built without CUDA kernels")
-    if "9.0" not in library.build_info()["cuda_archs"].replace("+PTX", "").split(";"):
-        pytest.skip("the budget is defined for sm_90, which this build does not include")
-    kernels = sass_budget.hist_kernel_loops(sass_budget.disassemble(library.extension.__file__, "sm_90"))
+def test_built_hist_kernels_within_instruction_budget(built_sass):
+    kernels = sass_budget.hist_kernel_loops(built_sass)
     report = sass_budget.hist_report(kernels, "sm_90")
     print(report)
     assert sorted((k.dtype, k.table) for k in kernels) == sorted(
