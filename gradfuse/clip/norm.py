@@ -17,8 +17,7 @@ from gradfuse.core.engine import fused_stats, raise_if_nonfinite, scale_
 from gradfuse.core.entry import clip_parameters_, clip_source_
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.norms import clip_coefficient
-from gradfuse.core.params import (ParametersTypeError, Source, as_tensor_list, check_max_norm,
-                                  check_norm_type, grads_of)
+from gradfuse.core.params import ParametersTypeError, Source, as_tensor_list, check_max_norm, check_norm_type, grads_of
 
 
 @torch.no_grad()

@@ -7,14 +7,12 @@ norms, distributed, sharded, slow_paths, grad_stats).
 """
 from __future__ import annotations
 
-
 import torch
 
 from gradfuse import ops
 from gradfuse.core import distributed, grouping, sharded, slow_paths
 from gradfuse.core.grad_stats import GradStats
-from gradfuse.core.norms import (clip_coefficient, kernel_takes_order, norm_accumulator,
-                                 norm_dtype, root)
+from gradfuse.core.norms import clip_coefficient, kernel_takes_order, norm_accumulator, norm_dtype, root
 from gradfuse.core.params import SUPPORTED_DTYPES, check_tensors
 from gradfuse.ops.layout import INF, NAN
 

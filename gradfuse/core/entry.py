@@ -8,11 +8,17 @@ Layer: core, at its top. Imports the core modules below it.
 from __future__ import annotations
 
 from gradfuse.core import walk_cache
-from gradfuse.core.engine import (clip_total_norm_, fused_stats, raise_if_nonfinite,
-                                  scale_to_max_norm)
+from gradfuse.core.engine import clip_total_norm_, fused_stats, raise_if_nonfinite, scale_to_max_norm
 from gradfuse.core.grad_stats import GradStats
-from gradfuse.core.params import (ParametersTypeError, Source, check_max_norm, check_norm_type,
-                                  named_grads, named_params, with_grads)
+from gradfuse.core.params import (
+    ParametersTypeError,
+    Source,
+    check_max_norm,
+    check_norm_type,
+    named_grads,
+    named_params,
+    with_grads,
+)
 
 
 def source_stats(source: Source, p: float) -> GradStats:

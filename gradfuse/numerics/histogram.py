@@ -31,9 +31,18 @@ from gradfuse.core import distributed, grouping
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.numerics.headroom import headroom_columns
 from gradfuse.ops import multi_tensor_exponent_histogram  # noqa: F401  (public here too)
-from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF,  # noqa: F401
-                                 BIN_POS_INF, BIN_ZERO, EXPONENT_OFFSET, MAX_EXPONENT,
-                                 MIN_EXPONENT, NUM_BINS)
+from gradfuse.ops.layout import (  # noqa: F401
+    BIN_ABOVE,
+    BIN_BELOW,
+    BIN_NAN,
+    BIN_NEG_INF,
+    BIN_POS_INF,
+    BIN_ZERO,
+    EXPONENT_OFFSET,
+    MAX_EXPONENT,
+    MIN_EXPONENT,
+    NUM_BINS,
+)
 from gradfuse.ops.reference import exponent_histogram as reference_histogram  # noqa: F401
 
 __all__ = ["NUM_BINS", "BIN_BELOW", "BIN_ZERO", "MIN_EXPONENT", "MAX_EXPONENT", "EXPONENT_OFFSET",

@@ -66,8 +66,8 @@ def animate_gradflow(jsonl_path: str | os.PathLike, out_path: str | os.PathLike 
         raise ValueError(f"gradfuse plot: no records in {jsonl_path}")
     frames = frame_records(records, max_frames)
     fig, update = gradflow_animation_figure(records, frames)
-    from matplotlib import animation
     import matplotlib.pyplot as plt
+    from matplotlib import animation
     anim = animation.FuncAnimation(fig, update, frames=len(frames), blit=False, repeat=False)
     writer = (animation.PillowWriter(fps=fps) if ext == ".gif"
               else animation.FFMpegWriter(fps=fps, codec="h264", extra_args=["-pix_fmt", "yuv420p"]))
