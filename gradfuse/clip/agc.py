@@ -16,6 +16,12 @@ from gradfuse.core.params import check_norm_type, check_tensors
 
 
 def check_agc_args(clip_factor, eps, norm_type) -> tuple[float, float, float]:
+    """Validates the adaptive clipping arguments; returns ``(clip_factor, eps, norm_type)`` as floats.
+
+    Raises:
+        ValueError: ``clip_factor`` is not a positive finite number, ``eps`` is not a non-negative
+            finite number, or ``norm_type`` is negative or NaN.
+    """
     cf, e = float(clip_factor), float(eps)
     if not cf > 0 or math.isinf(cf):
         raise ValueError(f"gradfuse.adaptive_clip_grad_: clip_factor must be a positive number, "

@@ -17,6 +17,11 @@ PER_MODES = (None, "param", "layer")
 
 
 def check_per(per) -> str | None:
+    """Returns ``per`` if it is None, ``"param"`` or ``"layer"``.
+
+    Raises:
+        ValueError: ``per`` is anything else.
+    """
     if per not in PER_MODES:
         raise ValueError(f"gradfuse: per must be None, 'param' or 'layer', got {per!r}")
     return per

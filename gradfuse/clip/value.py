@@ -19,6 +19,11 @@ from gradfuse.core.params import SUPPORTED_DTYPES, check_tensors
 
 
 def check_clip_value(clip_value) -> float:
+    """``clip_value`` as a float.
+
+    Raises:
+        ValueError: ``clip_value`` is not a number, or is NaN or negative.
+    """
     try:
         v = float(clip_value)
     except (TypeError, ValueError):

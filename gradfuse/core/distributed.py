@@ -27,6 +27,7 @@ from gradfuse.ops.layout import MAXABS, NAN, POWSUM, SUM, SUMSQ
 
 
 def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain ``torch.Tensor``, not a subclass such as a DTensor."""
     return type(t) is torch.Tensor
 
 
@@ -57,6 +58,7 @@ def local_and_layout(name: str, t: torch.Tensor):
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard (``to_local()``), else ``t`` itself."""
     return t if is_plain(t) or not isinstance(t, _dtensor_class()) else t.to_local()
 
 

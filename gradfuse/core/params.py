@@ -93,6 +93,7 @@ class ParametersTypeError(TypeError, AttributeError):
 
 def check_tensors(names: list[str], tensors: list[torch.Tensor], what: str,
                    slow_path: bool = False) -> None:
+    """Raises GradientTypeError naming the first of ``tensors`` that no path takes (see ``check_tensor``)."""
     for name, t in zip(names, tensors):
         check_tensor(name, t, what, slow_path)
 
@@ -114,6 +115,11 @@ def check_tensor(name: str, t: torch.Tensor, what: str, slow_path: bool = False)
 
 
 def check_norm_type(norm_type) -> float:
+    """``norm_type`` as a float (``inf`` and ``-inf`` included).
+
+    Raises:
+        ValueError: ``norm_type`` is NaN.
+    """
     p = float(norm_type)
     if math.isnan(p):
         # torch returns NaN and scales every gradient to NaN: refuse instead
@@ -122,6 +128,11 @@ def check_norm_type(norm_type) -> float:
 
 
 def check_max_norm(max_norm) -> float:
+    """``max_norm`` as a float.
+
+    Raises:
+        ValueError: ``max_norm`` is NaN or negative.
+    """
     m = float(max_norm)
     if math.isnan(m) or m < 0:
         raise ValueError(f"gradfuse: max_norm must be a non-negative number, got {max_norm!r}")
@@ -140,6 +151,11 @@ def as_tensor_list(tensors, fn: str) -> list:
 
 
 def grads_of(parameters: list, fn: str):
+    """(names, parameters, gradients) of those ``parameters`` that have a gradient (``named_grads``).
+
+    Raises:
+        ParametersTypeError: An item of ``parameters`` is not a tensor; the message names ``fn``.
+    """
     try:
         return named_grads(parameters)
     except TypeError as e:  # an item that is not a tensor: torch fails reading its .grad

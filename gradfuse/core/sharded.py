@@ -44,6 +44,7 @@ def layout_groups(names, tensors, layouts, what, slow_path=False) -> dict[tuple,
 
 
 def layout_key(layout):
+    """The key under which tensors of one sharding ``layout`` are grouped; None for a plain tensor."""
     # The mesh itself, not its id: FSDP2 can hand equal meshes as distinct objects, which would
     # cost another 2 collectives each (DeviceMesh caches its hash; == checks identity first).
     return None if layout is None else (layout[0], layout[1])
@@ -119,6 +120,7 @@ class PendingRows:
         self._rows = None
 
     def get(self):
+        """The ``(floats, counts)`` rows of the full gradients, reduced on the first call and kept."""
         if self._rows is None:
             self._rows = reduce_rows(*self._args)
             self._args = None

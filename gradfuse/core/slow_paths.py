@@ -16,6 +16,7 @@ _warned: set[str] = set()
 
 
 def warn_slow_once(kind: str) -> None:
+    """Warns, once per ``kind`` (e.g. ``"sparse gradients"``), that those take the per-tensor path."""
     if kind not in _warned:
         _warned.add(kind)
         warn(f"gradfuse: {kind} take a slower per-tensor PyTorch path, not the fused kernels "

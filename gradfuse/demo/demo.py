@@ -28,6 +28,7 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, x):
+        """Logits ``[batch, seq, vocab]`` for the digit sequences ``x`` (int64 ``[batch, seq]``)."""
         h = self.embed(x) + self.pos
         for layer in self.layers:
             h = layer(h)
@@ -35,11 +36,13 @@ class TinyTransformer(nn.Module):
 
 
 def sorting_batch(batch, seq, generator):
+    """``(x, y)``: ``batch`` random digit sequences of length ``seq``, and the same sequences sorted."""
     x = torch.randint(0, 10, (batch, seq), generator=generator)
     return x, x.sort(dim=1).values
 
 
 def median_ms(fn, repeats):
+    """The median wall time of ``fn()`` over ``repeats`` calls after one warm-up call, in milliseconds."""
     fn()  # warm up
     times = []
     for _ in range(repeats):
@@ -60,6 +63,10 @@ def hook_loop_stats(params):
 
 
 def timing_table(named_params, repeats):
+    """A text table: the median time of ``torch.nn.utils.clip_grad_norm_``, of per-parameter
+    ``.item()`` statistics, of ``gradfuse.stats`` and of ``gradfuse.clip_`` over ``named_params``,
+    each also as a multiple of ``clip_grad_norm_``'s.
+    """
     params = [p for _, p in named_params]
     rows = [
         ("torch clip_grad_norm_(foreach=True)",
@@ -78,6 +85,28 @@ def timing_table(named_params, repeats):
 
 def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: int = 0,
         timing: bool = True) -> dict:
+    """Runs the demo and prints what it finds.
+
+    Trains ``TinyTransformer`` to sort digits with ``gradfuse.attach`` on its optimizer, with a
+    gradient spike, a NaN gradient and a NaN in a forward output planted; prints what the monitor
+    caught, the final per-parameter table, the dead-layer example and the gradient noise scale;
+    draws the pictures when matplotlib is installed; with ``timing``, prints the timing table.
+
+    Args:
+        steps: Optimizer steps to train.
+        out_dir: Where the JSONL log (``run.jsonl``, started afresh) and the pictures go; created if
+            missing.
+        tiny: A smaller model, and a smaller timing workload.
+        seed: Seed of the model's initialisation and of the data.
+        timing: Print the timing table at the end.
+
+    Returns:
+        dict: ``caught`` (a line per anomaly step), ``skipped`` (the count of skipped steps), ``log``
+            (the JSONL path), ``picture`` and ``activations_picture`` (paths, None without
+            matplotlib), ``exponents_picture`` and ``noise_scale_picture`` (when ``picture`` was
+            drawn), ``loss_first``, ``loss_last``, ``dead_layers`` and ``noise_scale`` (the
+            estimate's host values, or None).
+    """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     # Each step's batch of 64 sequences is taken as 2 accumulated micro-batches of 32 (the same
@@ -203,6 +232,7 @@ def dead_layer_demo() -> list[str]:
 
 
 def print_timing(tiny: bool) -> None:
+    """Prints ``timing_table`` for GPT-2 small's gradients on the CPU (``tiny``: a 1-layer slice)."""
     from gradfuse.demo.workloads import gpt2_small, make_grads
     shapes = gpt2_small(layers=1, vocab=1000, ctx=64) if tiny else gpt2_small()
     label = "a 1-layer GPT-2 slice" if tiny else "GPT-2 small (124M fp32 gradients, 148 tensors)"

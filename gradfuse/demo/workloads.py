@@ -84,6 +84,7 @@ WORKLOADS = {"gpt2_small": gpt2_small, "llama_1b": llama_1b, "resnet50": resnet5
 
 
 def numel(shapes: Shapes) -> int:
+    """The total number of elements of ``shapes``."""
     return sum(math.prod(s) for _, s in shapes)
 
 

@@ -16,11 +16,11 @@ require("lightning", "lightning", "integrations.lightning")
 
 from lightning.pytorch import Callback  # noqa: E402
 
-from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
+from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
-from gradfuse.utils import warn  # noqa: E402
 from gradfuse.monitor.sinks import metrics  # noqa: E402
+from gradfuse.utils import warn  # noqa: E402
 
 
 class LightningLoggerSink:
@@ -32,6 +32,7 @@ class LightningLoggerSink:
         self.prefix = prefix
 
     def write(self, record: dict) -> None:
+        """Logs ``record``'s flat metrics, prefixed, through each of the trainer's loggers at its step."""
         m = {self.prefix + k: v for k, v in metrics(record).items()}
         for logger in self.trainer.loggers:
             logger.log_metrics(m, step=record["step"])
@@ -137,6 +138,11 @@ class GradfuseCallback(Callback):
         return self.monitors.get(0)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning hook: for the fit, takes over the Trainer's ``gradient_clip_val``.
+
+        Unless ``max_norm`` or another clip mode was given, the monitor clips by it (by value with
+        ``gradient_clip_algorithm="value"``); Lightning's own clipping is turned off for the fit.
+        """
         if stage != "fit" or not trainer.gradient_clip_val:
             return
         algorithm = trainer.gradient_clip_algorithm
@@ -155,6 +161,11 @@ class GradfuseCallback(Callback):
         trainer.gradient_clip_val = None  # gradfuse clips, in the same place, once
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Lightning hook: gates each optimizer's step (a step the policy skips is not taken).
+
+        With ``noise_scale`` under DDP, also registers the communication hook that takes the bucket
+        norms.
+        """
         # Before the first step: without a closure-free precision plugin the optimizer's step()
         # is entered before the backward, so the gate must be in place already.
         self._gates = [StepGate(opt, self._take_decision) for opt in trainer.optimizers]
@@ -204,6 +215,7 @@ class GradfuseCallback(Callback):
         return mon
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Lightning hook: arms the activation hooks, when asked for, and notes the batch size."""
         # activations=True: hooks for the batches Lightning logs (its log_every_n_steps decision)
         if trainer.optimizers and (self.monitor_kwargs.get("activations")
                                    or self.monitor_kwargs.get("trace_nonfinite")):
@@ -212,6 +224,7 @@ class GradfuseCallback(Callback):
         self._batch_size = _batch_size(batch)
 
     def on_after_backward(self, trainer, pl_module) -> None:
+        """Lightning hook: a micro-batch's backward, for the noise scale (with one optimizer)."""
         # A micro-batch's backward (Lightning divides each loss by accumulate_grad_batches: the
         # noise scale's "mean" accumulation). One optimizer only: with several (manual
         # optimization) the backward is not tied to one of them.
@@ -223,6 +236,10 @@ class GradfuseCallback(Callback):
         mon.micro_step()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Lightning hook: the monitor's step for ``optimizer`` (statistics, clipping, policies).
+
+        The step is numbered as Lightning numbers its logged steps and logged when Lightning logs.
+        """
         mon = self._monitor_for(trainer, pl_module, optimizer)
         mon.step_count = _log_step(trainer)
         report = mon.step(log=_should_log(trainer))
@@ -244,20 +261,25 @@ class GradfuseCallback(Callback):
             self._took_value = False
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Lightning hook: removes the step gates and activation hooks; restores ``gradient_clip_val``."""
         self._release(trainer)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        """Lightning hook: as ``on_train_end``."""
         self._release(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        """Lightning hook: as ``on_train_end``."""
         self._release(trainer)
 
     def state_dict(self) -> dict:
+        """The monitors' counters and step numbers, by optimizer index, for Lightning's checkpoints."""
         states = {i: mon.state_dict() for i, mon in self.monitors.items()}
         states.update({i: s for i, s in self._saved.items() if i not in states})
         return {"monitors": states}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restores the monitors' state from a checkpoint (a monitor made later takes it when made)."""
         saved = {int(i): s for i, s in state_dict.get("monitors", {}).items()}
         for index, state in saved.items():
             if index in self.monitors:

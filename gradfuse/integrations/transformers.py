@@ -21,11 +21,11 @@ require("transformers", "transformers", "integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 
-from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
+from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
-from gradfuse.utils import warn  # noqa: E402
 from gradfuse.monitor.sinks import metrics  # noqa: E402
+from gradfuse.utils import warn  # noqa: E402
 
 # Where the monitor's state travels in trainer_state.json (TrainerState.stateful_callbacks).
 # Not the class name: the Trainer re-creates callbacks stored under their class name from their
@@ -88,6 +88,12 @@ class GradfuseCallback(TrainerCallback):
         self._original_clip = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Trainer hook: makes the monitor and puts it where the Trainer clips.
+
+        Takes the Trainer's ``max_grad_norm`` (unless another clip mode was given) and turns the
+        Trainer's own clipping off, restores the monitor's state on resume, gates the optimizer's step
+        and takes over the accelerator's ``clip_grad_norm_``.
+        """
         trainer = self.trainer
         if args.max_grad_norm and args.max_grad_norm > 0:
             own = describe_mode(self.max_norm, self.monitor_kwargs)
@@ -165,11 +171,13 @@ class GradfuseCallback(TrainerCallback):
         return self.last_report
 
     def on_substep_end(self, args, state, control, **kwargs):
+        """Trainer hook: a micro-batch's backward that is not the last of its update."""
         # A micro-batch's backward that is not the last of its update (gradient accumulation).
         if self.monitor is not None:
             self.monitor.micro_step()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        """Trainer hook: arms the activation hooks, when asked for; full statistics on logged updates."""
         # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
         if self.monitor is not None and self.monitor.watches_activations:
             coming = state.global_step + 1
@@ -178,6 +186,7 @@ class GradfuseCallback(TrainerCallback):
             self.monitor.arm_activations(full=bool(logged))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Trainer hook: the monitor's step for this update, and whether its optimizer step is skipped."""
         self._skip_next = self._run_monitor().skip
 
     def _take_decision(self, optimizer) -> bool:
@@ -192,6 +201,7 @@ class GradfuseCallback(TrainerCallback):
             scaler.update()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Trainer hook: adds the latest update's statistics to a training log and writes its record."""
         report = self.last_report
         if not logs or "loss" not in logs or report is None or report.stats is None:
             return
@@ -208,12 +218,15 @@ class GradfuseCallback(TrainerCallback):
             state.stateful_callbacks[STATE_KEY] = self.monitor.state_dict()
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Trainer hook: puts the monitor's state in the Trainer state when a checkpoint is saved."""
         self._stash_state(state, control)
 
     def on_epoch_end(self, args, state, control, **kwargs):
+        """Trainer hook: puts the monitor's state in the Trainer state when a checkpoint is saved."""
         self._stash_state(state, control)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Trainer hook: ``detach``."""
         self.detach()
 
     def detach(self) -> None:

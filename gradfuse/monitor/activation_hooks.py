@@ -58,5 +58,6 @@ class MonitorHooks:
         return cap
 
     def hook_count(self) -> int:
+        """The number of hooks the armed capture holds (0 when none is armed)."""
         return 0 if self.current is None else self.current.hook_count
 

@@ -98,12 +98,14 @@ class DoubleClipCheck:
         return None
 
     def remove(self) -> None:
+        """Takes the hooks off the sentinel parameters."""
         for h in self._handles:
             h.remove()
         self._handles = []
 
 
 def double_clip_message(call: str, name: str) -> str:
+    """The warning for gradients changed in place before gradfuse's clip, seen on ``name`` by ``call``."""
     return (f"{call}: the gradients were already changed in place since the backward "
             f"(seen on {name!r}): something scaled or clipped them before gradfuse's own clip "
             "(torch.nn.utils.clip_grad_norm_ / clip_grad_value_, a framework's gradient "

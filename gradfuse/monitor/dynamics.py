@@ -90,8 +90,10 @@ class Dynamics:
         return out
 
     def state_dict(self) -> dict:
+        """The noise scale estimator's state, for checkpoints."""
         return {"noise_scale": None if self.noise_scale is None else self.noise_scale.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the noise scale estimator's state from ``state_dict``'s output."""
         if self.noise_scale is not None and state.get("noise_scale") is not None:
             self.noise_scale.load_state_dict(state["noise_scale"])

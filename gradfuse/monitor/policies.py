@@ -22,6 +22,11 @@ NONFINITE, EXPLODE = 1, 2  # the bits of anomaly_flags
 
 
 def check_policy(name: str, value: str) -> str:
+    """Returns ``value`` if it is one of ``POLICIES``.
+
+    Raises:
+        ValueError: ``value`` is not; the message names the argument ``name``.
+    """
     if value not in POLICIES:
         raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
     return value
@@ -46,14 +51,17 @@ class Decision:
 
     @property
     def raises(self) -> bool:
+        """Whether a fired policy raises."""
         return "raise" in self.policies
 
     @property
     def skips(self) -> bool:
+        """Whether a fired policy skips the optimizer step."""
         return "skip" in self.policies
 
     @property
     def warns(self) -> bool:
+        """Whether a fired policy warns."""
         return "warn" in self.policies
 
     @property

@@ -10,6 +10,7 @@ from gradfuse.utils import require
 
 
 def has_activations(records: list[dict]) -> bool:
+    """Whether any of ``records`` holds activation statistics (``act``)."""
     return any(r.get("act") for r in records)
 
 
