@@ -1,4 +1,4 @@
-"""Exponent histograms, at the path they have always had (they live in
+"""Exponent histograms, importable as ``gradfuse.histogram`` (they live in
 ``gradfuse.numerics.histogram``)."""
 from gradfuse.numerics.histogram import *  # noqa: F401,F403
 from gradfuse.numerics.histogram import __all__  # noqa: F401

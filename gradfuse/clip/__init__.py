@@ -1,5 +1,7 @@
 """Clipping, every mode, each computed from the core's one fused statistics pass with its
-coefficients decided on the device:
+coefficients decided on the device.
+
+One module per mode:
 
 - ``gradfuse.clip.norm``: by total norm (the drop-ins for ``torch.nn.utils``, and
   ``gradfuse.clip_``);

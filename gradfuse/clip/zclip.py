@@ -219,7 +219,7 @@ class ZClip:
 
     @torch.no_grad()
     def step(self, model) -> torch.Tensor:
-        """zclip's ``step``: call after ``loss.backward()``, before ``optimizer.step()``. Clips the
+        """As zclip's ``step``: call after ``loss.backward()``, before ``optimizer.step()``. Clips the
         gradients of ``model`` (a module, or an iterable of parameters) in place; returns their
         total L2 norm before clipping as a 0-d device tensor (no host sync).
 

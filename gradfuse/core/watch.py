@@ -60,7 +60,8 @@ def _param_watch_class():
 
 
 class GradWatch:
-    """A model's parameters, resolved once, for per-step [`stats`][gradfuse.GradWatch.stats] and [`clip_`][gradfuse.GradWatch.clip_].
+    """A model's parameters, resolved once, for per-step [`stats`][gradfuse.GradWatch.stats] and
+    [`clip_`][gradfuse.GradWatch.clip_].
 
     Create with [`gradfuse.watch`][gradfuse.watch]. Each call reads the current gradients
     (``zero_grad`` may have replaced them) and returns what
@@ -154,7 +155,8 @@ class GradWatch:
     @torch.no_grad()
     def clip_(self, max_norm: float, error_if_nonfinite: bool = False, *,
               rows: bool = True) -> GradStats:
-        """Clips the current gradients in place by total norm: ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``.
+        """Clips the current gradients in place by total norm:
+        ``gradfuse.clip_(source, max_norm, norm_type, error_if_nonfinite)``.
 
         Args:
             max_norm: The largest total norm; a non-negative number.
@@ -182,7 +184,8 @@ class GradWatch:
 
     @torch.no_grad()
     def scale_by(self, coef: torch.Tensor) -> bool:
-        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for gradfuse.ZClip), without per-parameter Python.
+        """Scales this step's gradients in place by the 0-d ``coef`` where it is < 1 (for gradfuse.ZClip),
+        without per-parameter Python.
 
         Args:
             coef: A 0-d tensor on the gradients' device.

@@ -1,6 +1,7 @@
 """Gradient noise scale, B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An Empirical Model
-of Large-Batch Training", appendix A.1), from two squared gradient norms a training loop already
-has, at two batch sizes B_small < B_big:
+of Large-Batch Training", appendix A.1).
+
+From two squared gradient norms a training loop already has, at two batch sizes B_small < B_big:
 
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
@@ -42,7 +43,7 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t.detach())
     total = None
-    for (device, _), group in groups.items():
+    for group in groups.values():
         floats, _ = ops.multi_tensor_stats(group, 2.0)
         part = floats[:, SUMSQ].sum()
         total = part if total is None else total + part.to(total.device)
@@ -72,7 +73,7 @@ def _squared_norm_of(source) -> torch.Tensor:
     return squared_norm(_grads(source))
 
 
-def _noise_scale_comm_hook(state: "NoiseScale", bucket):
+def _noise_scale_comm_hook(state: NoiseScale, bucket):
     """DDP communication hook: the bucket's local squared norm (one fused pass, before the
     all-reduce changes the buffer), then DDP's default all-reduce (``allreduce_hook``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -418,12 +419,13 @@ class BackwardEnds:
         self.fn()
 
     def remove(self) -> None:
+        """Takes the hooks off the parameters."""
         for h in self.handles:
             h.remove()
         self.handles = []
 
 
-def configure(estimator: "NoiseScale | None", *, batch_size=None, accumulation_steps=None) -> None:
+def configure(estimator: NoiseScale | None, *, batch_size=None, accumulation_steps=None) -> None:
     """What an integration knows, given to an estimator the user did not configure."""
     if estimator is None:
         return

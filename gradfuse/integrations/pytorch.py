@@ -213,7 +213,7 @@ class Attachment:
         return self._skip
 
     def _accumulating(self, optimizer) -> bool:
-        """accelerate's micro-step: ``accelerator.sync_gradients`` is False, the
+        """Whether this is accelerate's micro-step: ``accelerator.sync_gradients`` is False, the
         AcceleratedOptimizer's step does nothing, and the monitor does not run (nor count it)."""
         return not all(state.sync_gradients for state in self._gradient_states)
 
@@ -305,7 +305,7 @@ class Attachment:
             self._scaler_step = None
         self.monitor.close()
 
-    def __enter__(self) -> "Attachment":
+    def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc) -> None:

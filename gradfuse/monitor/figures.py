@@ -101,8 +101,8 @@ def exponent_figure(records: list[dict], max_layers: int = 16):
     are not in the shares: a step whose gradients are all NaN is a white column. Triangles on a
     panel's top edge mark its skipped and non-finite steps (filled red: NaN/Inf in this layer;
     hollow red: a non-finite step, NaN/Inf elsewhere; brown: an exploding norm). The legend sits
-    below the panels, one column per format; the colour bar in the grid's spare cell. From the ``exponents`` of GradMonitor(histogram=True)
-    records."""
+    below the panels, one column per format; the colour bar in the grid's spare cell. From the
+    ``exponents`` of GradMonitor(histogram=True) records."""
     matplotlib = require("matplotlib", "matplotlib", "plot_gradflow")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -50,10 +50,20 @@ __all__ = ["COLUMNS", "FORMATS", "KINDS", "Format", "amax_scale", "headroom_colu
 
 @dataclasses.dataclass(frozen=True)
 class Format:
+    """A floating-point format's exponent range, as the headroom columns read it.
+
+    Attributes:
+        name: The format's name in the column names (``fp16``, ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``).
+        min_subnormal_exponent: s: the smallest subnormal is 2^s.
+        min_normal_exponent: m: the smallest normal is 2^m.
+        max_exponent: M: the largest finite value lies in [2^M, 2^(M+1)).
+        max_value: The largest finite value.
+    """
+
     name: str
-    min_subnormal_exponent: int  # s: the smallest subnormal is 2^s
-    min_normal_exponent: int  # m: the smallest normal is 2^m
-    max_exponent: int  # M: the largest finite value lies in [2^M, 2^(M+1))
+    min_subnormal_exponent: int
+    min_normal_exponent: int
+    max_exponent: int
     max_value: float
 
 
@@ -102,20 +112,20 @@ def headroom_columns(hist: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.
     hi = torch.minimum(lo + 1, torch.maximum(log_amax, lo))
     width = (hi - lo).clamp(min=1e-300)
     weights = hist * finite[None, :]
+
+    def below(threshold: float, shift: torch.Tensor) -> torch.Tensor:
+        # the part of each (shifted) binade below 2^threshold, per element of it
+        return ((threshold - (lo + shift)) / width).clamp(0.0, 1.0)
+
     out = {}
     for scaled in (False, True):
         suffix = "_scaled" if scaled else ""
         for fmt in FORMATS.values():
             shift = torch.log2(amax_scale(amax, fmt))[:, None] if scaled else torch.zeros((n, 1), dtype=torch.float64,
                                                                                           device=hist.device)
-
-            def below(threshold: float) -> torch.Tensor:
-                # the part of each (shifted) binade below 2^threshold, per element of it
-                return ((threshold - (lo + shift)) / width).clamp(0.0, 1.0)
-
-            under = below(fmt.min_subnormal_exponent - 1)
-            normal = below(fmt.min_normal_exponent)
-            finite_top = below(fmt.max_exponent + 1)
+            under = below(fmt.min_subnormal_exponent - 1, shift)
+            normal = below(fmt.min_normal_exponent, shift)
+            finite_top = below(fmt.max_exponent + 1, shift)
             out[f"{fmt.name}_underflow{suffix}"] = (weights * under).sum(1) / numel
             out[f"{fmt.name}_subnormal{suffix}"] = (weights * (normal - under)).sum(1) / numel
             out[f"{fmt.name}_overflow{suffix}"] = (weights * (1.0 - finite_top)).sum(1) / numel
