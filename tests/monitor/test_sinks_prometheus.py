@@ -14,7 +14,7 @@ from gradfuse.sinks import grafana_dashboard_path  # noqa: E402
 
 
 def scrape(registry) -> dict:
-    """sample name (+ labels) -> value, as a Prometheus server would read them."""
+    """Sample name (+ labels) -> value, as a Prometheus server would read them."""
     out = {}
     for family in registry.collect():
         for s in family.samples:
