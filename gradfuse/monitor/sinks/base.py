@@ -28,7 +28,8 @@ class Sink(Protocol):
       first record, on the ranks that write: a copy of ``GradMonitor.config()`` with
       ``start_step`` added (a tracker's run config).
     - ``write(record: dict)``: on every logging step (``every``), on a step with an anomaly
-      (logging step or not, before a ``"raise"`` policy raises), on ``flush`` / ``close``
+      of the model (logging step or not; before a ``"raise"`` policy raises; a GradScaler
+      overflow is the scaler's, not one of these), on ``flush`` / ``close``
       for a last step not yet logged, and on every ``GradMonitor.write``. Under
       ``torch.distributed`` only the ranks of ``sink_ranks`` write; with ``"all"`` the record
       has a ``rank`` key. The record's keys are listed on the Data reference page.
