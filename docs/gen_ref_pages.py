@@ -27,8 +27,10 @@ TOP_GROUPS = [
       "adaptive_clip_grad_", "ZClip", "unscale_clip_"]),
     ("Monitoring", "The monitor, its reports, and the one-line attachment to an optimizer.",
      ["attach", "Attachment", "GradMonitor", "StepReport", "GradientAnomaly"]),
-    ("Sinks", "Where the monitor's records go (also importable from `gradfuse.sinks`).",
-     ["JsonlSink", "TensorBoardSink", "MetricsSink", "WandbSink", "MLflowSink", "LoggingSink", "PrometheusSink"]),
+    ("Sinks", "Where the monitor's records go: the `Sink` protocol and the sinks gradfuse ships (also "
+     "importable from `gradfuse.sinks`).",
+     ["Sink", "JsonlSink", "TensorBoardSink", "MetricsSink", "WandbSink", "MLflowSink", "LoggingSink",
+      "PrometheusSink"]),
     ("Activations", "Statistics of module outputs and of the gradients with respect to them.",
      ["capture_activations", "ActivationCapture", "ActivationStats"]),
     ("Training dynamics", "The gradient noise scale.", ["NoiseScale"]),

@@ -23,7 +23,7 @@ from gradfuse.dynamics import NoiseScale
 from gradfuse.functional import stats, tensor_stats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
-from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, MLflowSink, PrometheusSink,
+from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, MLflowSink, PrometheusSink, Sink,
                                     TensorBoardSink, WandbSink)
 from gradfuse.ops import backend, build_info
 
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
            "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "NoiseScale",
-           "PrometheusSink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
+           "PrometheusSink", "Sink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
            "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
            "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "stats",
            "tensor_stats", "unscale_clip_", "watch"]

@@ -14,7 +14,7 @@ from gradfuse.sinks import grafana_dashboard_path  # noqa: E402
 
 
 def scrape(registry) -> dict:
-    """sample name (+ labels) -> value, as a Prometheus server would read them."""
+    """Sample name (+ labels) -> value, as a Prometheus server would read them."""
     out = {}
     for family in registry.collect():
         for s in family.samples:
@@ -89,8 +89,9 @@ def test_dashboard_is_package_data():
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     manifest = (root / "MANIFEST.in").read_text()
-    assert "include gradfuse/monitor/grafana_dashboard.json" in manifest
-    assert Path(grafana_dashboard_path()).is_file()
+    dashboard = Path(grafana_dashboard_path())
+    assert dashboard.is_file()
+    assert f"include {dashboard.relative_to(root).as_posix()}" in manifest
 
 
 def test_a_registry_raising_inside_write_is_counted_not_raised():
