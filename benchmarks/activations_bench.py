@@ -1,4 +1,4 @@
-"""What watching activations costs, per training step (forward + backward), on the CPU:
+"""What watching activations costs, per training step (forward + backward), on the CPU.
 
 (a) a step under ``gradfuse.capture_activations`` (every module, outputs and output gradients)
     against the same step unwatched;
@@ -17,7 +17,8 @@ that step). Time
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
-    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--batch N] [--smoke] [--variants capture,...]
+    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--batch N] [--smoke]
+                                           [--variants capture,...]
 """
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ class ReadFloor:
 def count_capture_bytes(model, loss_fn) -> dict:
     """What one capture step reads: the fused statistics (each distinct value once) and the
     per-unit dead-unit passes it could not skip (abs: read + write, sum: read)."""
-    acts = gradfuse.activations.capture
+    acts = gradfuse.activations.dead_units
     real_op, real_activity = None, acts._unit_activity
     seen = {"stats": 0, "activity": 0, "activity_passes": 0}
 
@@ -252,7 +253,7 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
         with ReadFloor(model):
             loss_fn().backward()
 
-    acts = gradfuse.activations.capture
+    acts = gradfuse.activations.dead_units  # the per-unit pass and its CPU shortcuts
 
     def capture_no_dead_units():  # decomposition: the capture without its dead-unit passes
         real = acts._unit_activity
@@ -271,7 +272,7 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
             acts._probe_alive = real
 
     def hooks_only():  # decomposition: the capture's hooks and bookkeeping, reading no tensor
-        cap = acts.ActivationCapture(model, stats=False)
+        cap = gradfuse.activations.ActivationCapture(model, stats=False)
         zeros = torch.zeros((1, 4), dtype=torch.int64)
         cap._rows = lambda tensors, dims: (None, zeros.expand(len(tensors), 4), None)
         cap.arm()
@@ -413,16 +414,19 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
                      f"{100 * ol / med['plain']:.1f}%: {ol / oc if oc > 0 else float('inf'):.1f}x more than capture's")
     if "read_floor" in times:
         of = med["read_floor"] - med["plain"]
-        lines.append(f"- floor (one read of every distinct value, nothing else): {100 * of / med['plain']:.1f}% "
+        lines.append(f"- floor (one read of every distinct value, nothing else): "
+                     f"{100 * of / med['plain']:.1f}% "
                      f"of the step (medians), {ratio('read_floor', 'plain'):.3f}x by per-round ratios")
     if read is not None:
-        lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read once); "
-                     f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats {read['stats'] / 1e6:.0f} MB "
-                     f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB (abs read+write, sum read; "
-                     f"the other rows' dead units are decided by their zero count, the corner probe or the one-slice test); the hook loop ~"
+        lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read "
+                     f"once); gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats "
+                     f"{read['stats'] / 1e6:.0f} MB + {read['activity_passes']} dead-unit passes "
+                     f"{read['activity'] / 1e6:.0f} MB (abs read+write, sum read; the other rows' dead units are "
+                     f"decided by their zero count, the corner probe or the one-slice test); the hook loop ~"
                      f"{9.75 * loop.bytes / 1e6:.0f} MB (9.75 N) and {ITEMS_PER_TENSOR * loop.tensors} `.item()` calls")
     if "monitor_activations_unsampled" in times:
-        lines.append(f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')}")
+        lines.append("- hooks registered during an unsampled monitor step: "
+                     f"{hooks_seen.get('monitor_activations_unsampled')}")
     if "monitor_trace" in times:
         lines.append(f"- trace_nonfinite vs detect_anomaly: {ratio('monitor_trace', 'monitor'):.3f}x"
                      + (f" vs {ratio('detect_anomaly', 'plain'):.3f}x" if "detect_anomaly" in times else ""))

@@ -1,7 +1,8 @@
-"""Where a captured step's extra time goes, on the CPU (issue 16): the plain step against the
-step under ``capture_activations`` (and the trace-only capture of ``trace_nonfinite``), with the
-time spent inside the hooks split by what it was spent on, measured with the thread's CPU clock
-around each call, summed per step:
+"""Where a captured step's extra time goes, on the CPU.
+
+The plain step against the step under ``capture_activations`` (and the trace-only capture of
+``trace_nonfinite``), with the time spent inside the hooks split by what it was spent on,
+measured with the thread's CPU clock around each call, summed per step:
 
 - ``stats op``: the fused statistics op (``gradfuse._C``), per tensor shape, with its rate;
 - ``t.sum() on the same tensors``: one plain read of each of those tensors, right after the op
@@ -31,12 +32,13 @@ import activations_bench as ab  # noqa: E402
 
 import gradfuse  # noqa: E402
 from gradfuse.activations import capture as acts  # noqa: E402
+from gradfuse.activations import dead_units  # noqa: E402
 
 clock = time.thread_time
 
 
 class Timed:
-    """Wraps the functions the capture calls, summing their CPU time per step by key."""
+    """Wraps the dead-unit functions the capture calls, summing their CPU time per step by key."""
 
     def __init__(self):
         self.t = collections.defaultdict(float)
@@ -45,7 +47,7 @@ class Timed:
         self.saved = {}
 
     def wrap(self, name, key_of=None):
-        real = getattr(acts, name)
+        real = getattr(dead_units, name)
         self.saved[name] = real
 
         def f(*a):
@@ -55,11 +57,11 @@ class Timed:
             self.t[k] += clock() - s
             self.n[k] += 1
             return r
-        setattr(acts, name, f)
+        setattr(dead_units, name, f)
 
     def restore(self):
         for k, v in self.saved.items():
-            setattr(acts, k, v)
+            setattr(dead_units, k, v)
 
 
 def hooked_step(model, loss_fn, timed: Timed, stats: bool):
@@ -143,9 +145,9 @@ def profile(label, model, loss_fn, rounds, variants=("capture", "capture_no_prob
 
     def hooked(key, timed):
         _title, stats, no_probe = VARIANTS[key]
-        real = acts._probe_alive
+        real = dead_units._probe_alive
         if no_probe:
-            acts._probe_alive = lambda t, dim: None
+            dead_units._probe_alive = lambda t, dim: None
         timed.wrap("_unit_activity", lambda t, d: "dead units: per-unit passes")
         timed.wrap("_probe_alive", lambda t, d: "dead units: corner probes")
         timed.wrap("_one_slice_alive", lambda t, d: "dead units: one-slice tests")
@@ -153,7 +155,7 @@ def profile(label, model, loss_fn, rounds, variants=("capture", "capture_no_prob
             return hooked_step(model, loss_fn, timed, stats)
         finally:
             timed.restore()
-            acts._probe_alive = real
+            dead_units._probe_alive = real
 
     for _ in range(2):
         plain(), zero()

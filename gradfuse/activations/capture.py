@@ -29,7 +29,8 @@ Dead units
     ``units``: features of the last dimension, or channels (dimension 1) for outputs of
     convolutions, batch/instance/group norms and pooling, and for any output of 4 or more
     dimensions (NCHW images); ``dead_units``: how many of them are exactly zero for every example
-    and position of the batch (NaN counts as not zero).
+    and position of the batch (NaN counts as not zero). Counted by
+    ``gradfuse.activations.dead_units``.
 
 Cost and memory
     Per hook: the fused statistics op on the output (or gradient) and, for dead units, one
@@ -38,24 +39,25 @@ Cost and memory
     A hook that sees the very value the previous hook on the same side saw (a block returning its
     last child's output tensor, unchanged: same object, same ``_version``, same unit dimension)
     reuses that hook's rows instead of reading the tensor again; an in-place module bumps the
-    version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync:
-    the dead-unit pass is skipped when the zero count decides it (``_known_dead``), when a
-    small corner of the batch (the first image's first 64 pixels, the first 16 positions) holds a
-    non-zero in every unit (``_probe_alive``), or when one slice across all units holds no
-    zero (``_one_slice_alive``; tried first when under 5% of the elements are zero), all
-    exact, and
+    version, so its value is read anew. On the CPU, where reading a CPU tensor is no device sync,
+    exact shortcuts skip most dead-unit passes (see ``gradfuse.activations.dead_units``), and
     the trace mode reads one plain sum per output (finite: no NaN, no Inf; else the fused op
     counts). On an accelerator nothing is read in a hook.
     With ``histogram=True`` each hook also runs the fused exponent-histogram op over the same
     tensors (one call; its int64 rows stay on the device, read only when asked for, as
     ``ActivationStats.exponent_histogram`` and per layer ``layer_exponents()``).
 
+Results
+    ``cap.forward`` and ``cap.backward`` are ``ActivationStats`` (``gradfuse.activations.stats``);
+    ``first_nonfinite`` and ``describe_nonfinite()`` come from the NaN / Inf counts every row
+    holds (``gradfuse.activations.trace``).
+
 Errors
     A hook never raises into the forward or the backward: a module whose output the statistics
     cannot take (a tensor subclass, an odd device) is warned about once, naming it, and left out.
     Hooks are removed when the ``with`` block exits, also when it raises.
 
-Layer: activations (a capability). Imports ``gradfuse.ops`` and ``gradfuse.core``.
+Layer: activations (a capability). Imports ``gradfuse.ops`` and the activations' own modules.
 """
 from __future__ import annotations
 
@@ -72,21 +74,12 @@ import torch
 from torch import nn
 
 from gradfuse import ops
-from gradfuse.core.grad_stats import GradStats, exponents_entry, layer_of, sum_by_key
-from gradfuse.ops.layout import INF, M2, NAN, NUM_BINS, SUM, SUMSQ, ZERO
+from gradfuse.activations.dead_units import unit_activity_rows, unit_dim
+from gradfuse.activations.stats import ActivationStats, HookRows, activation_stats
+from gradfuse.activations.trace import describe_origin, nonfinite_origin
 
 ROOT_NAME = "(root)"
-_CHANNEL_MODULES = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm,
-                    nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
-                    nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
 _MAX_DEPTH = 4  # how deep nested outputs (tuples of tuples, ...) are looked into
-
-
-def unit_dim(module: nn.Module, t: torch.Tensor) -> int:
-    """The dimension whose entries are a module's units (see the module docstring)."""
-    if t.dim() >= 4 or (t.dim() >= 2 and isinstance(module, _CHANNEL_MODULES)):
-        return 1
-    return t.dim() - 1
 
 
 def _floating_outputs(output, prefix: str = "", depth: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -112,279 +105,11 @@ def _floating_outputs(output, prefix: str = "", depth: int = 0) -> list[tuple[st
     return out
 
 
-def merged_m2(rows: list[tuple[int, float, float]]) -> float:
-    """The sum of squared deviations from the common mean of several rows, each given as
-    ``(numel, sum, m2)``: ``sum m2_i + sum n_i (mean_i - mean)^2`` (Chan, Golub and LeVeque),
-    with no cancellation between large sums."""
-    n = sum(k for k, _, _ in rows)
-    if n == 0:
-        return 0.0
-    mean = sum(s for _, s, _ in rows) / n
-    return sum(m2 + (k * (s / k - mean) ** 2 if k else 0.0) for k, s, m2 in rows)
-
-
-def _unit_activity(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Per entry along ``dim``, the sum of |x| over everything else: 0 exactly when the unit is
-    zero everywhere (a sum of non-negative numbers is 0 only if each is; NaN and Inf are not 0).
-    ``abs().sum()`` runs 3-4x faster on the CPU than ``count_nonzero`` or ``ne(0).any()`` over
-    the leading dimensions. An empty or 0-d tensor has no units to count."""
-    if t.dim() == 0 or t.numel() == 0:
-        return torch.ones(0, dtype=torch.int64, device=t.device)
-    a = t.abs()
-    if t.dim() == 1:
-        return a
-    return a.sum(dim=tuple(d for d in range(t.dim()) if d != dim))
-
-
-def _dead_counts(activity: list) -> torch.Tensor:
-    """Dead units per row, from the rows' activity vectors: three device ops for all rows. A row
-    may instead hold its dead-unit count as an int (known without the per-unit pass, see
-    ``_known_dead``)."""
-    if any(isinstance(a, int) for a in activity):
-        known = [a if isinstance(a, int) else None for a in activity]
-        vectors = [a for a in activity if not isinstance(a, int)]
-        counted = iter(_dead_counts(vectors).tolist()) if vectors else iter(())
-        dev = vectors[0].device if vectors else "cpu"
-        return torch.tensor([next(counted) if k is None else k for k in known], dtype=torch.int64,
-                            device=dev)
-    lengths = [len(a) for a in activity]
-    if not activity or not sum(lengths):
-        return torch.zeros(len(activity), dtype=torch.int64,
-                           device=activity[0].device if activity else "cpu")
-    dead = torch.cat(activity).eq(0).to(torch.int64).cumsum(0)
-    ends = torch.tensor(lengths, device=dead.device).cumsum(0)
-    at_end = torch.cat([dead.new_zeros(1), dead])[ends]
-    return at_end.diff(prepend=at_end.new_zeros(1))
-
-
-def _known_dead(t: torch.Tensor, dim: int, zeros: int) -> int | None:
-    """The number of dead units when the zero count alone decides it, else None. A dead unit is
-    ``numel / units`` zeros: with fewer zeros in the whole output no unit can be dead (0), with
-    every element zero all are. Exact; used on the CPU only, where reading the count (a CPU
-    tensor) costs no device sync, to skip the per-unit pass (most outputs of GELU, tanh,
-    convolutions and norms, and their gradients, hold no zero at all)."""
-    if t.dim() == 0 or t.numel() == 0:
-        return 0
-    units = t.shape[dim]
-    if zeros < t.numel() // units:
-        return 0
-    if zeros == t.numel():
-        return units
-    return None
-
-
-def _one_slice_alive(t: torch.Tensor, dim: int) -> bool:
-    """True when one slice holding one element of every unit (index 0 of every other dimension)
-    has no zero: then every unit is alive (a dead unit is zero everywhere, also there). Exact; a
-    tiny read, tried on the CPU before the per-unit pass (a gradient whose last position is all
-    zero, as a causal LM's is, has many zeros but no dead unit)."""
-    if t.dim() == 0 or t.numel() == 0:
-        return True
-    v = t[(0,) * dim + (slice(None),) + (0,) * (t.dim() - dim - 1)]
-    return int(torch.count_nonzero(v)) == v.numel()
-
-
-_FEW_ZEROS = 0.05  # below this zero fraction the one-slice test is tried before the probe
-_PROBE_INNER = 64  # entries after the unit dimension (pixels) the probe reads per row at most
-_PROBE_PER_UNIT = 16  # elements per unit the probe reads at least
-
-
-def _probe_alive(t: torch.Tensor, dim: int) -> bool | None:
-    """True when a small corner of the tensor already holds a non-zero in every unit: then no
-    unit is dead (a dead unit is zero everywhere, also there). Exact; CPU only (reads the
-    result). With ``rows`` the entries of the dimensions before ``dim`` (examples, positions)
-    and ``inner`` those after it (pixels), the corner is the first ``m <= 64`` inner entries of
-    the first ``k`` rows, at least 16 elements per unit, at most a quarter of the rows: 64
-    pixels of the first image for a conv output, 16 positions of a transformer's hidden state.
-    The full per-unit pass runs only when a unit is still all zero there. A ReLU output (half
-    its elements zero) or a dropout output (a tenth) defeats the zero count and the one-slice
-    test but not this. None when the probe does not apply (unit dimension first, too few rows,
-    not contiguous): the caller tries the one-slice test instead (the corner holds that slice)."""
-    if dim == 0 or t.dim() < 2 or not t.is_contiguous():
-        return None
-    units = t.shape[dim]
-    rows = math.prod(t.shape[:dim])
-    inner = math.prod(t.shape[dim + 1:])
-    if rows < 4 or units == 0 or inner == 0:
-        return None
-    m = min(inner, _PROBE_INNER)
-    k = min(-(-_PROBE_PER_UNIT // m), rows // 4)
-    if inner == 1:  # (positions, units): the first k rows, contiguous
-        activity = t.view(rows, units)[:k].abs().sum(0)
-    elif k == 1:  # (units, pixels) of the first image
-        activity = t.view(rows, units, inner)[0, :, :m].abs().sum(1)
-    else:
-        activity = t.view(rows, units, inner)[:k, :, :m].abs().sum(dim=(0, 2))
-    return int(torch.count_nonzero(activity)) == units
-
-
-def output_layer(module: str, depth: int | None = None) -> str:
-    """The layer of a module's output rows, as ``GradStats.layers`` groups parameters: the
-    module path up to its first block index (``depth``: that many leading name parts)."""
-    return layer_of(module + ".out", depth)
-
-
-class ActivationStats(GradStats):
-    """[`GradStats`][gradfuse.GradStats] of module outputs (or of the gradients with respect to them).
-
-    Every column GradStats has (``l2``, ``linf``, ``mean``, NaN / Inf / zero counts,
-    ``zero_fraction``), plus ``std`` and ``rms`` per row, and per row the dead units. Rows are
-    named after the module (``name``, ``name[0]`` for tuple outputs, ``name#1`` for a second call),
-    in execution order (backward order for gradients). Made by
-    [`capture_activations`][gradfuse.capture_activations] (``cap.forward``, ``cap.backward``).
-
-    Attributes:
-        modules (list[str]): The module name of each row, as in ``named_modules()`` (the model
-            itself is ``(root)``).
-        dead_units (torch.Tensor): int64 ``[n]``: units (features of the last dimension, or
-            channels for conv, norm and pooling outputs and outputs of 4+ dimensions) that are
-            exactly zero for every example and position of the batch.
-        units (torch.Tensor): int64 ``[n]``: the units of each row.
-        scope (str): ``"all"``, or ``"rank"`` under torch.distributed with several ranks:
-            activations are this rank's.
-        exponent_histogram (torch.Tensor | None): With ``histogram=True``: int64 ``[n, 283]``,
-            per row the count of elements of each binary exponent (bins in
-            [`gradfuse.histogram`](gradfuse.histogram.md)); else None. ``layer_exponents()``
-            sums it per layer.
-
-    Example:
-        ```python
-        with gradfuse.capture_activations(model) as cap:
-            model(x).square().mean().backward()
-        print(cap.forward.std, cap.forward.dead_units)
-        ```
-    """
-
-    def __init__(self, names: list[str], modules: list[str], floats: torch.Tensor,
-                 counts: torch.Tensor, dead_units: torch.Tensor, units: torch.Tensor,
-                 scope: str = "all"):
-        total = floats[:, SUMSQ].sum().sqrt() if len(names) else torch.zeros((), dtype=torch.float64)
-        super().__init__(names, floats, counts, 2.0, total)
-        self.modules = modules
-        self.dead_units = dead_units
-        self.units = units
-        self.scope = scope
-
-    @property
-    def std(self) -> torch.Tensor:
-        """Standard deviation per row (float64 ``[n]``, unbiased as ``torch.std``; NaN for fewer
-        than two elements)."""
-        return self._memo("std", self._std)
-
-    def _std(self) -> torch.Tensor:
-        # M2, the sum of squared deviations, comes from the kernels' shifted accumulation: no
-        # cancellation however far the values sit from zero
-        n = self.numel.to(self.floats.dtype)
-        return torch.where(n > 1, self.floats[:, M2] / (n - 1), math.nan).sqrt()
-
-    @property
-    def rms(self) -> torch.Tensor:
-        """Root mean square per row: ``l2 / sqrt(numel)``."""
-        return self.l2 / self.numel.clamp(min=1).to(self.floats.dtype).sqrt()
-
-    def _extra_host(self) -> list[list[float]]:
-        return self._memo("extra_host", self._read_extra)
-
-    def _read_extra(self) -> list[list[float]]:
-        if not len(self.names):
-            return []
-        dt = self.floats.dtype
-        packed = torch.stack([self.std, self.dead_units.to(self.std.device, dt),
-                              self.units.to(self.std.device, dt),
-                              self.floats[:, SUM], self.floats[:, SUMSQ], self.floats[:, M2]], 1)
-        return packed.cpu().tolist()
-
-    def to_dict(self) -> dict:
-        """As ``GradStats.to_dict``, each row also with ``module``, ``std``, ``rms``,
-        ``dead_units``, ``units`` and ``dead_fraction``."""
-        d = super().to_dict()
-        for (name, row), module, (std, dead, units, *_sums) in zip(
-                d["params"].items(), self.modules, self._extra_host()):
-            row.update(module=module, std=std, rms=row["l2"] / math.sqrt(max(row["numel"], 1)),
-                       dead_units=int(dead), units=int(units), dead_fraction=dead / units if units else 0.0)
-        return d
-
-    def layers(self, depth: int | None = None) -> dict[str, dict]:
-        """Per layer (module path up to its first block index, as ``GradStats.layers`` groups
-        parameters; ``depth``: that many leading name parts), over every row of its modules:
-        ``numel``, ``l2``, ``rms``, ``linf``, ``mean``, ``std``, NaN / Inf / zero counts,
-        ``zero_fraction``, ``dead_units``, ``units``, ``dead_fraction`` and ``rows``. The layer's
-        ``std`` merges its rows' means and sums of squared deviations (Chan et al.), as stable as
-        each row's."""
-        d = self.to_dict()
-        out: dict[str, dict] = {}
-        for (name, r), (_std, _dead, _units, s, q, m2) in zip(d["params"].items(), self._extra_host()):
-            key = output_layer(r["module"], depth)
-            agg = out.setdefault(key, {"numel": 0, "sum": 0.0, "sumsq": 0.0, "moments": [],
-                                       "linf": 0.0, "nan_count": 0, "inf_count": 0, "zero_count": 0,
-                                       "dead_units": 0, "units": 0, "rows": 0})
-            agg["numel"] += r["numel"]
-            agg["sum"] += s
-            agg["sumsq"] += q
-            agg["moments"].append((r["numel"], s, m2))
-            agg["linf"] = r["linf"] if math.isnan(r["linf"]) or r["linf"] > agg["linf"] else agg["linf"]
-            for k in ("nan_count", "inf_count", "zero_count", "dead_units", "units"):
-                agg[k] += r[k]
-            agg["rows"] += 1
-        for agg in out.values():
-            n = agg["numel"]
-            s, q = agg.pop("sum"), agg.pop("sumsq")
-            agg["l2"] = math.sqrt(q)
-            agg["rms"] = math.sqrt(q / max(n, 1))
-            agg["mean"] = s / max(n, 1)
-            agg["std"] = math.sqrt(merged_m2(agg.pop("moments")) / (n - 1)) if n > 1 else math.nan
-            agg["zero_fraction"] = agg["zero_count"] / max(n, 1)
-            agg["dead_fraction"] = agg["dead_units"] / agg["units"] if agg["units"] else 0.0
-        return out
-
-    def layer_exponents(self, depth: int | None = None) -> dict[str, dict] | None:
-        """The exponent histograms summed per layer (layers as ``layers`` groups rows), each as
-        ``{"first_bin": b, "counts": [...]}`` without its empty ends, as a monitor record's
-        ``exponents``; read in one transfer. None without ``histogram=True``."""
-        if self.exponent_histogram is None:
-            return None
-        keys = [output_layer(m, depth) for m in self.modules]
-        sums = sum_by_key(keys, self.exponent_histogram.cpu().tolist())
-        return {layer: exponents_entry(counts) for layer, counts in sums.items()}
-
-    def table(self, top: int | None = None, sort_by: str | None = None) -> str:
-        """A fixed-width table in execution order (or largest ``sort_by`` first)."""
-        d = self.to_dict()["params"]
-        items = list(d.items())
-        if sort_by is not None:
-            items.sort(key=lambda kv: (math.isnan(kv[1][sort_by]), kv[1][sort_by]), reverse=True)
-        shown = items if top is None else items[:top]
-        width = max([len("module output")] + [len(n) for n, _ in shown])
-        head = (f"{'module output':<{width}}  {'numel':>9}  {'rms':>9}  {'mean':>10}  {'std':>9}"
-                f"  {'linf':>9}  {'nan':>5}  {'inf':>5}  {'zero%':>6}  {'dead/units':>11}")
-        lines = [head, "-" * len(head)]
-        for name, r in shown:
-            lines.append(f"{name:<{width}}  {r['numel']:>9}  {r['rms']:>9.3g}  {r['mean']:>10.3e}"
-                         f"  {r['std']:>9.3g}  {r['linf']:>9.3g}  {r['nan_count']:>5}  {r['inf_count']:>5}"
-                         f"  {100 * r['zero_fraction']:>6.1f}  {str(r['dead_units']) + '/' + str(r['units']):>11}")
-        if len(shown) < len(items):
-            lines.append(f"... {len(items) - len(shown)} more rows")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return f"ActivationStats({len(self.names)} rows, device={self.floats.device})"
-
-
-class _Event:
-    """What one hook call left: the rows of one module call (device tensors, no activation;
-    ``dead``: per row, the activity vector of its units; ``hist``: the rows' exponent
-    histograms, or None)."""
-    __slots__ = ("module", "names", "floats", "counts", "dead", "units", "hist", "producer")
-
-    def __init__(self, module, names, floats, counts, dead, units, hist=None, producer=None):
-        self.module, self.names, self.floats, self.counts = module, names, floats, counts
-        self.dead, self.units, self.hist = dead, units, hist
-        # backward: the first watched module that output this very value (a block returns its
-        # last child's output tensor; the child produced it)
-        self.producer = producer
-
-
 def resolve_modules(model: nn.Module, modules) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``modules`` (names or module objects of ``model``;
+    None: all of them, the model itself named ``(root)``). Raises ValueError naming close matches
+    for an unknown name, or for a module that is not part of ``model``; TypeError for anything
+    else."""
     named = list(model.named_modules())
     if modules is None:
         return [(name or ROOT_NAME, m) for name, m in named]
@@ -463,8 +188,8 @@ class ActivationCapture:
         self._watched = resolve_modules(model, modules)
         self._handles: list = []
         self._tensor_handles: list = []
-        self._fwd: list[_Event] = []
-        self._bwd: list[_Event] = []
+        self._fwd: list[HookRows] = []
+        self._bwd: list[HookRows] = []
         self._calls: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self._cache: dict = {}
@@ -478,7 +203,7 @@ class ActivationCapture:
         self._producer: dict = {}
 
     # -- hooks ---------------------------------------------------------------------------------
-    def arm(self) -> "ActivationCapture":
+    def arm(self) -> ActivationCapture:
         """Registers the hooks (the ``with`` block does this). Arming twice does nothing.
 
         Returns:
@@ -519,7 +244,7 @@ class ActivationCapture:
         """Hooks this capture holds registered now (module forward hooks and tensor hooks)."""
         return len(self._handles) + len(self._tensor_handles)
 
-    def __enter__(self) -> "ActivationCapture":
+    def __enter__(self) -> ActivationCapture:
         return self.arm()
 
     def __exit__(self, *exc) -> None:
@@ -588,24 +313,7 @@ class ActivationCapture:
             counts = torch.cat([c.to(dev) for _, c in parts])
         if not self.full:
             return floats, counts, None
-        if not counts.is_cpu:  # no host read in a hook on an accelerator
-            return floats, counts, [_unit_activity(t, d) for t, d in zip(tensors, dims)]
-        dead = []
-        for t, d, row in zip(tensors, dims, counts.tolist()):
-            known = _known_dead(t, d, row[ZERO]) if t.is_cpu else None
-            if known is None and t.is_cpu:
-                # Few zeros (a causal LM's gradient: its last position): one slice, the cheaper
-                # test, usually decides; many (ReLU, dropout): it fails, the corner probe first.
-                if row[ZERO] < _FEW_ZEROS * t.numel():
-                    alive = _one_slice_alive(t, d) or _probe_alive(t, d)
-                else:
-                    alive = _probe_alive(t, d)
-                    if alive is None:
-                        alive = _one_slice_alive(t, d)
-                if alive:
-                    known = 0
-            dead.append(_unit_activity(t, d) if known is None else known)
-        return floats, counts, dead
+        return floats, counts, unit_activity_rows(tensors, dims, counts)
 
     def _histogram_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """The exponent histograms of one hook's tensors (int64 ``[n, NUM_BINS]`` on the first
@@ -647,10 +355,10 @@ class ActivationCapture:
         units = [t.shape[d] if t.dim() else 0 for t, d in zip(tensors, dims)]
         names = [base + suffix for suffix, _ in outs]
         floats, counts, dead, hist = self._rows_memo(outs[0][1], tensors, dims, 0)
-        self._fwd.append(_Event(name, names, floats, counts, dead, units, hist))
+        self._fwd.append(HookRows(name, names, floats, counts, dead, units, hist))
         if not self.grads:
             return
-        for (suffix, t), row, d, u in zip(outs, names, dims, units):
+        for (_suffix, t), row, d, u in zip(outs, names, dims, units):
             if t.requires_grad:
                 key = (id(t), t._version)  # an in-place op makes a new value of the same tensor
                 if self._alive.get(key) is not t:
@@ -665,38 +373,18 @@ class ActivationCapture:
                 return None
             try:
                 floats, counts, dead, hist = self._rows_memo(grad, [grad.detach()], [dim], 1)
-                self._bwd.append(_Event(name, [row], floats, counts, dead, [units], hist, producer))
+                self._bwd.append(HookRows(name, [row], floats, counts, dead, [units], hist, producer))
             except Exception as e:  # noqa: BLE001 - a hook must never break the backward
                 self._fail(name, "backward", e)
             return None
         return hook
 
     # -- results -------------------------------------------------------------------------------
-    def _stats(self, events: list[_Event]) -> ActivationStats:
+    def _stats(self, events: list[HookRows]) -> ActivationStats:
         if not self.full:
             raise RuntimeError("gradfuse: this capture only traces non-finite values "
                                "(stats=False); it has no statistics")
-        names = [n for e in events for n in e.names]
-        modules = [e.module for e in events for _ in e.names]
-        scope = "rank" if (torch.distributed.is_available() and torch.distributed.is_initialized()
-                           and torch.distributed.get_world_size() > 1) else "all"
-        if not events:
-            out = ActivationStats([], [], torch.zeros((0, 4), dtype=torch.float64),
-                                  torch.zeros((0, 4), dtype=torch.int64),
-                                  torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                                  scope)
-            if self.histogram:
-                out.exponent_histogram = torch.zeros((0, NUM_BINS), dtype=torch.int64)
-            return out
-        dev = events[0].floats.device
-        floats = torch.cat([e.floats.to(dev) for e in events])
-        counts = torch.cat([e.counts.to(dev) for e in events])
-        dead = _dead_counts([a if isinstance(a, int) else a.to(dev) for e in events for a in e.dead])
-        units = torch.tensor([u for e in events for u in e.units], dtype=torch.int64)
-        out = ActivationStats(names, modules, floats, counts, dead, units.to(dev), scope)
-        if self.histogram:
-            out.exponent_histogram = torch.cat([e.hist.to(dev) for e in events])
-        return out
+        return activation_stats(events, self.histogram)
 
     @property
     def forward(self) -> ActivationStats:
@@ -715,21 +403,6 @@ class ActivationCapture:
             self._cache[key] = self._stats(self._bwd)
         return self._cache[key]
 
-    def _nonfinite_rows(self) -> tuple[list, list]:
-        """Per row of forward and backward: (event index, row index, nan, inf); one transfer."""
-        events = self._fwd + self._bwd
-        if not events:
-            return [], []
-        dev = events[0].counts.device
-        counts = torch.cat([e.counts[:, [NAN, INF]].to(dev) for e in events]).cpu().tolist()
-        rows, k = [], 0
-        for i, e in enumerate(events):
-            for j in range(len(e.names)):
-                rows.append((i, j, counts[k][0], counts[k][1]))
-                k += 1
-        n_fwd = sum(len(e.names) for e in self._fwd)
-        return rows[:n_fwd], [(i - len(self._fwd), j, a, b) for i, j, a, b in rows[n_fwd:]]
-
     def nonfinite_origin(self) -> dict | None:
         """Where the first non-finite value appeared (None: nowhere). Reads the per-module
         counts in one transfer. A dict: ``kind`` ("forward" or "backward"), ``module``, ``row``
@@ -744,26 +417,7 @@ class ActivationCapture:
         """
         if "origin" in self._cache:
             return self._cache["origin"]
-        fwd, bwd = self._nonfinite_rows()
-        origin = None
-        for i, j, nan, inf in fwd:
-            if nan or inf:
-                e = self._fwd[i]
-                origin = {"kind": "forward", "module": e.module, "row": e.names[j],
-                          "nan": int(nan), "inf": int(inf)}
-                break
-        if origin is None:
-            for k, (i, j, nan, inf) in enumerate(bwd):
-                if not (nan or inf):
-                    continue
-                e = self._bwd[i]
-                # The gradient just before was finite: the backward of the module that produced
-                # that value ran next and handed back the first non-finite gradient.
-                culprit = self._bwd[bwd[k - 1][0]].producer if k else e.module
-                origin = {"kind": "backward", "module": culprit, "row": e.names[j],
-                          "gradient_of": e.names[j], "nan": int(nan), "inf": int(inf),
-                          "entered": k == 0}
-                break
+        origin = nonfinite_origin(self._fwd, self._bwd)
         self._cache["origin"] = origin
         return origin
 
@@ -787,19 +441,7 @@ class ActivationCapture:
             print(cap.describe_nonfinite())
             ```
         """
-        o = self.nonfinite_origin()
-        if o is None:
-            return None
-        counts = f"{o['nan']} NaN" + (f", {o['inf']} Inf" if o["inf"] else "") if o["nan"] else f"{o['inf']} Inf"
-        if o["kind"] == "forward":
-            where = o["row"] if o["row"] != o["module"] else o["module"]
-            return f"first non-finite value in the forward output of {where} ({counts})"
-        if o["entered"]:
-            return (f"first non-finite value in backward: the gradient arriving at the output of "
-                    f"{o['gradient_of']} ({counts}), from the loss or code outside the watched modules")
-        return (f"first non-finite value in the backward of {o['module']} (or code right after it "
-                f"in forward): the gradient it handed back to the output of {o['gradient_of']} "
-                f"holds {counts}, while its own output gradient was finite")
+        return describe_origin(self.nonfinite_origin())
 
 
 def capture_activations(model: nn.Module, modules: Iterable[str | nn.Module] | str | nn.Module | None = None,

@@ -1,18 +1,24 @@
 """GradMonitor: fused gradient statistics every step, logging every N steps, and policies for
 non-finite and exploding gradients that name the parameters at fault.
 
-The monitor composes its parts: the watch handle (statistics), the policies
+The monitor composes its parts: the watch handle (statistics), the step plan (the pass that
+takes a step's statistics and the clip after it, ``gradfuse.monitor.step_plan``), the policies
 (``gradfuse.monitor.policies``), the clip strategy (``gradfuse.monitor.clip_strategy``),
 the dynamics (``gradfuse.monitor.dynamics``), the activation hooks
-(``gradfuse.monitor.activation_hooks``) and the sink set (``gradfuse.monitor.sink_set``).
-It never stops a run because of its own output: a sink that raises is warned about once,
-retried with a back-off, and every record it did not write is counted.
+(``gradfuse.monitor.activation_hooks``), the report and record of a step
+(``gradfuse.monitor.report``, ``gradfuse.monitor.record``) and the sink set
+(``gradfuse.monitor.sink_set``). It never stops a run because of its own output: a sink that
+raises is warned about once, retried with a back-off, and every record it did not write is
+counted.
+
+``GradMonitor.step`` runs in phases: ``_start`` (the first step: the sinks' run
+configuration), ``_plan`` (the double-clip check, this step's ``max_norm``, the pass),
+the statistics (``StepPlan.take_stats``), ``_apply_policies`` (anomalies, counters, message;
+raise, skip or warn), ``_clip`` and ``_finish`` (dynamics, the record to the sinks).
 
 Layer: monitor. Imports the capabilities and the core, and the monitor's own parts.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,96 +26,22 @@ from torch import nn
 from gradfuse.clip.agc import check_agc_args
 from gradfuse.clip.per import check_per
 from gradfuse.clip.schedule import ScheduleError, check_max_norm_arg, max_norm_at
-from gradfuse.clip.value import check_clip_value, clamp_stats_
+from gradfuse.clip.value import check_clip_value
 from gradfuse.clip.zclip import ZClip
-from gradfuse.core import amp
-from gradfuse.core.grad_stats import GradStats
-from gradfuse.core.params import check_norm_type, named_grads, with_grads
+from gradfuse.core.params import check_norm_type
 from gradfuse.core.watch import watch
 from gradfuse.monitor.activation_hooks import MonitorHooks
-from gradfuse.monitor.clip_strategy import DoubleClipCheck, clip_other_modes_, double_clip_message
-from gradfuse.monitor.policies import anomaly_flags, check_policy, decide, describe
-from gradfuse.monitor.sink_set import SinkSet
+from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message
 from gradfuse.monitor.dynamics import Dynamics
-from gradfuse.numerics import headroom
-from gradfuse.numerics.histogram import attach as attach_histogram
-from gradfuse.core.engine import fused_stats
+from gradfuse.monitor.policies import Decision, anomaly_flags, check_policy, decide
+from gradfuse.monitor.record import run_config, step_record, writing_rank
+from gradfuse.monitor.report import GradientAnomaly, StepReport, anomaly_message
+from gradfuse.monitor.sink_set import SinkSet
+from gradfuse.monitor.step_plan import StepPlan, plan_step
 from gradfuse.utils import warn
 
 STATE_VERSION = 1
 COUNTERS = ("skipped_steps", "anomaly_steps", "nonfinite_steps", "explode_steps", "amp_overflow_steps")
-
-class GradientAnomaly(RuntimeError):
-    """Raised by ``GradMonitor.step`` under the ``"raise"`` policy (``on_nonfinite="raise"`` or
-    ``on_explode="raise"``); a ``RuntimeError``.
-
-    The message names the anomaly and the parameters at fault. The step's record is written to
-    the sinks (as an event) before the exception is raised.
-
-    Args:
-        message: The anomaly message (``report.message``).
-        report: The step's ``StepReport``.
-
-    Attributes:
-        report (StepReport): The step's ``StepReport`` (``anomalies``, ``stats``, ``message``).
-
-    Example:
-        ```python
-        monitor = gradfuse.GradMonitor(model, on_nonfinite="raise")
-        try:
-            monitor.step()
-        except gradfuse.GradientAnomaly as e:
-            print(e.report.anomalies, e.report.message)
-        ```
-    """
-
-    def __init__(self, message: str, report: "StepReport"):
-        super().__init__(message)
-        self.report = report
-
-
-@dataclass
-class StepReport:
-    """What ``GradMonitor.step`` saw and decided.
-
-    Attributes:
-        step (int): The step number (``GradMonitor.step_count`` before the step).
-        stats (GradStats | None): The step's ``GradStats`` (device tensors; reading them
-            syncs). None when the monitor is disabled (``enabled=False``).
-        skip (bool): Skip this optimizer step: the ``"skip"`` policy fired; gradients are left as
-            they were, unclipped, for inspection.
-        logged (bool): The step's record was written to the sinks.
-        anomalies (list[str]): What fired: ``"nonfinite"``, ``"explode"``, ``"max_norm"`` (a bad
-            ``max_norm`` schedule value), or ``"amp_overflow"`` (a GradScaler step with Inf/NaN
-            gradients: the scaler skips it and lowers its scale; not counted as an anomaly of
-            the model).
-        message (str): The anomaly message naming the parameters at fault (``""`` when none).
-        activations (ActivationCapture | None): With ``activations=True``: the step's
-            ``ActivationCapture`` on the steps it was armed for (``cap.forward`` /
-            ``cap.backward``); else None.
-        first_nonfinite (tuple[str, str] | None): With ``trace_nonfinite=True``, on a step with
-            non-finite gradients: ``("forward" | "backward", module)``, where the first NaN / Inf
-            appeared; else None.
-
-    Example:
-        ```python
-        report = monitor.step()
-        if not report.skip:
-            optimizer.step()
-        if report.anomalies:
-            print(report.step, report.anomalies, report.message)
-        ```
-    """
-    step: int
-    stats: GradStats | None = None
-    skip: bool = False
-    logged: bool = False
-    anomalies: list[str] = field(default_factory=list)
-    message: str = ""
-    # activations=True: the step's ActivationCapture on steps it was armed for (cap.forward /
-    # cap.backward); trace_nonfinite=True: ("forward" | "backward", module) on non-finite steps.
-    activations: object | None = None
-    first_nonfinite: tuple[str, str] | None = None
 
 
 class GradMonitor:
@@ -455,98 +387,92 @@ class GradMonitor:
             if self._act_hooks is not None:
                 self._act_hooks.take()  # turned off after hooks were armed: none stays
             return StepReport(step)
-        if not self._started:
-            self._started = True
-            if not self._restored:
-                self._sink_set.warn_if_numbering_twice(step)
-            if self._writing_rank() is not False:
-                self._sink_set.start({**self.config(), "start_step": step})
+        self._start(step)
         capture = self._act_hooks.take() if self._act_hooks is not None else None
-        fused_unscale = self._unscale_here()
-        log_now = (self.every > 0 and step % self.every == 0) if log is None else log
-        # DTensor gradients: a step that does not log reduces only the total norm (one scalar
-        # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
-        rows = bool(log_now and self.sinks)
-        self._check_double_clip(fused_unscale)
-        max_norm, bad_max_norm = self._max_norm_at(step)
-        plain = isinstance(max_norm, float) and self.per is None
-        # With no policy to apply before clipping, statistics and clip are one call.
-        clip_now = not fused_unscale and plain and not self._needs_flag()
-        value_now = (not fused_unscale and self.clip_value is not None and not self._needs_flag()
-                     and self.norm_type == 2.0)
-        if fused_unscale:
-            names, grads = amp.optimizer_named_grads(self.optimizer, self._names_by_param)
-            s, inv_scale = amp.unscaled_stats(names, grads, self.scaler, self.norm_type)
-        elif clip_now:
-            s = self._watch.clip_(max_norm, rows=rows)
-        elif value_now:  # one pass: clamp, with the statistics from before clamping
-            names, _params, grads = with_grads(self._watch.names, self._watch.params)
-            s = clamp_stats_(names, grads, self.clip_value)
-        else:
-            s = self._watch.stats(rows=rows)
-        report = StepReport(step, stats=s)
+        plan = self._plan(step, log)
+        report = StepReport(step, stats=plan.take_stats())
         if capture is not None and capture.full:
             report.activations = capture
         if self._act_hooks is not None:  # hooks for the next step's forward and backward
             self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
+        decision = self._apply_policies(plan, report, capture)
+        self._clip(plan, report)
+        self._finish(plan, report, decision)
+        return report
 
+    def _start(self, step: int) -> None:
+        """The first enabled step: the numbering check, and the run configuration to the sinks."""
+        if self._started:
+            return
+        self._started = True
+        if not self._restored:
+            self._sink_set.warn_if_numbering_twice(step)
+        if writing_rank(self.sink_ranks) is not False:
+            self._sink_set.start({**self.config(), "start_step": step})
+
+    def _plan(self, step: int, log: bool | None) -> StepPlan:
+        """How this step takes its statistics and clips, and whether it logs; warns first when
+        someone else changed the gradients since the backward."""
+        fused_unscale = self._unscale_here()
+        log_now = (self.every > 0 and step % self.every == 0) if log is None else log
+        self._check_double_clip(fused_unscale)
+        max_norm, bad_max_norm = self._max_norm_at(step)
+        return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
+                         max_norm=max_norm, bad_max_norm=bad_max_norm, needs_flag=self._needs_flag())
+
+    def _apply_policies(self, plan: StepPlan, report: StepReport, capture) -> Decision:
+        """The anomalies of the step and what the policies make of them: the counters, the
+        message, and a raise, a skip or a warning."""
+        s = report.stats
         flags = int(anomaly_flags(s, self.explode_threshold)) if len(s) and self._needs_flag() else 0
-        decision = decide(flags, amp_active=self._amp_active(), bad_max_norm=bad_max_norm is not None,
+        decision = decide(flags, amp_active=self._amp_active(), bad_max_norm=plan.bad_max_norm is not None,
                           on_nonfinite=self.on_nonfinite, on_explode=self.on_explode)
         report.anomalies = decision.anomalies
         for anomaly, counter in (("amp_overflow", "amp_overflow_steps"), ("nonfinite", "nonfinite_steps"),
                                  ("explode", "explode_steps")):
             if anomaly in decision.anomalies:
                 setattr(self, counter, getattr(self, counter) + 1)
-        if bad_max_norm is not None and self.on_nonfinite == "raise":
-            if fused_unscale:
-                amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
-            raise bad_max_norm
+        if plan.bad_max_norm is not None and self.on_nonfinite == "raise":
+            plan.leave_unscaled(s)
+            raise plan.bad_max_norm
         if decision.counts_as_anomaly:
             self.anomaly_steps += 1
-            report.message = describe(s, report.anomalies, self.explode_threshold)
-            if "nonfinite" in decision.anomalies and capture is not None:
-                report.first_nonfinite = capture.first_nonfinite  # where the NaN / Inf first appeared
-                origin = capture.describe_nonfinite()
-                if origin:
-                    report.message = f"{origin}; {report.message}"
-            if bad_max_norm is not None:
-                report.message = "; ".join(m for m in (report.message, str(bad_max_norm)) if m)
+            report.message, report.first_nonfinite = anomaly_message(s, report.anomalies, self.explode_threshold,
+                                                                     capture, plan.bad_max_norm)
         if decision.raises:
-            if fused_unscale:  # leave the gradients unscaled, in true units, for inspection
-                amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale, None)
+            plan.leave_unscaled(s)  # the gradients in true units, for inspection
             self._write(report, event=True)
             raise GradientAnomaly(report.message, report)
         # An AMP overflow step is the scaler's to skip: scaler.step/update must still run.
         report.skip = decision.skips
         if report.skip:
             self.skipped_steps += 1
-            warn(f"gradfuse step {step}: optimizer step skipped: {report.message}")
+            warn(f"gradfuse step {report.step}: optimizer step skipped: {report.message}")
         elif decision.warns:
-            warn(f"gradfuse step {step}: {report.message}")
+            warn(f"gradfuse step {report.step}: {report.message}")
+        return decision
 
-        clip = ((max_norm is not None or self.clip_value is not None or self.agc is not None)
+    def _clip(self, plan: StepPlan, report: StepReport) -> None:
+        """Clips unless the step is skipped (or the scaler's to skip), finishes the fused AMP
+        unscale, and counts a clipped step (its statistics then become the report's)."""
+        clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
-        if fused_unscale:  # one multiply: unscale, and clip when due
-            s = amp.finish_unscale_(self.scaler, self.optimizer, grads, s, inv_scale,
-                                    max_norm if clip and plain else None)
-        elif clip and plain and not clip_now:
-            s = self._watch.clip_to(s, max_norm)
-        if clip and not plain and not value_now:  # the other modes
-            s = clip_other_modes_(s, self._watch, max_norm, per=self.per, layer_depth=self.layer_depth,
-                                  clip_value=self.clip_value, agc=self.agc)
+        s = plan.clip(report.stats, clip)
         if clip and s.clipped is not None:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
             self._clipped = clipped.to(torch.int64) if self._clipped is None else self._clipped + clipped
+
+    def _finish(self, plan: StepPlan, report: StepReport, decision: Decision) -> None:
+        """The dynamics of the step, and its record to the sinks on logging steps and on
+        anomalies a policy acted on."""
         if self.dynamics is not None:
-            self.dynamics.on_step(report, log_now,
+            self.dynamics.on_step(report, plan.log_now,
                                   self.scaler._scale if self._amp_active() else None)
-        if log_now or (report.anomalies and decision.policies):
+        if plan.log_now or (report.anomalies and decision.policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
         self._last_report = report
-        return report
 
     def _max_norm_at(self, step: int):
         """(this step's max_norm: a float, a ZClip or None; the ScheduleError of a bad value)."""
@@ -559,14 +485,6 @@ class GradMonitor:
                 return None, e
         self._max_norm_now = m
         return m, None
-
-    def _logged_max_norm(self, report: StepReport):
-        m = report.stats.max_norm if report.stats is not None else None
-        if m is None:
-            m = self._max_norm_now
-        if isinstance(m, ZClip):  # its threshold of that step (inf: nothing clipped)
-            m = m.last_threshold
-        return float(m) if isinstance(m, torch.Tensor) else m
 
     def _check_double_clip(self, fused_unscale: bool) -> None:
         if self._double_clip is None:
@@ -619,21 +537,7 @@ class GradMonitor:
             wandb.config.update({"gradfuse": monitor.config()})
             ```
         """
-        m = self.max_norm
-        if isinstance(m, ZClip):
-            m = "zclip"
-        elif callable(m):
-            m = "schedule"
-        dyn = self.dynamics
-        return {"max_norm": m, "norm_type": self.norm_type, "every": self.every,
-                "on_nonfinite": self.on_nonfinite, "on_explode": self.on_explode,
-                "explode_threshold": self.explode_threshold, "per": self.per,
-                "clip_value": self.clip_value, "agc": None if self.agc is None else float(self.agc[0]),
-                "layer_depth": self.layer_depth, "histogram": bool(self.histogram),
-                "activations": bool(self._act_hooks is not None and self._act_hooks.activations),
-                "noise_scale": bool(dyn is not None and dyn.noise_scale is not None),
-                "update_ratios": bool(dyn is not None and dyn.update_ratios is not None),
-                "sink_ranks": self.sink_ranks}
+        return run_config(self, bool(self._act_hooks is not None and self._act_hooks.activations))
 
     def counters(self) -> dict[str, int]:
         """The run's counters so far (also in every record, under ``counters``).
@@ -673,48 +577,7 @@ class GradMonitor:
             monitor.write(monitor.record(report))     # log this step by hand
             ```
         """
-        d = report.stats.to_dict()
-        extra = {} if self.dynamics is None else self.dynamics.record(report)
-        return {
-            "step": report.step,
-            "total_norm": d["total_norm"],
-            "norm_type": d["norm_type"],
-            "max_norm": self._logged_max_norm(report),
-            "clip_coef": d["clip_coef"],
-            "clipped": d["clipped"],
-            "nonfinite": d["nonfinite"],
-            "skipped": report.skip,
-            "anomalies": report.anomalies,
-            "message": report.message,
-            "event": event,
-            "counters": self.counters(),
-            "params": d["params"],
-            "layers": report.stats.layers(self.layer_depth),
-            **(self._headroom_fields() if self.histogram else {}),
-            **extra,
-            **self._activation_record(report),
-        }
-
-    def _headroom_fields(self) -> dict:
-        names, _params, grads = named_grads(self.source)
-        detached = [g.detach() for g in grads]
-        h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
-                             names, detached)
-        frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, self.layer_depth)
-        return {"headroom": frac, "exponents": exps}
-
-
-    def _activation_record(self, report: StepReport) -> dict:
-        out = {}
-        if report.first_nonfinite is not None:
-            out["first_nonfinite"] = list(report.first_nonfinite)
-        if report.activations is not None:
-            out["act"] = report.activations.forward.layers(self.layer_depth)
-            out["act_grad"] = report.activations.backward.layers(self.layer_depth)
-            if report.activations.histogram:
-                out["act_exponents"] = report.activations.forward.layer_exponents(self.layer_depth)
-                out["act_grad_exponents"] = report.activations.backward.layer_exponents(self.layer_depth)
-        return out
+        return step_record(self, report, event, self._max_norm_now)
 
     def _write(self, report: StepReport, event: bool) -> None:
         if self.sinks:
@@ -741,23 +604,12 @@ class GradMonitor:
             monitor.write(monitor.record(report, event=True))
             ```
         """
-        rank = self._writing_rank()
+        rank = writing_rank(self.sink_ranks)
         if rank is False:
             return
         if rank is not None:
             record = {**record, "rank": rank}
         self._sink_set.write(record)
-
-    def _writing_rank(self):
-        """None: not distributed (write, no rank key); False: this rank does not write; a rank
-        number: this rank writes with that ``rank`` key (``sink_ranks="all"``)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1):
-            return None
-        rank = torch.distributed.get_rank()
-        if self.sink_ranks == "all":
-            return rank
-        return None if rank == self.sink_ranks else False
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue: the next step number and the counters (reads

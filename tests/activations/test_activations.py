@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.activations.capture import ROOT_NAME, _dead_counts, capture_activations
+from gradfuse.activations.capture import ROOT_NAME, capture_activations
+from gradfuse.activations.dead_units import dead_counts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,7 +29,8 @@ def ref_flatten(output, prefix=""):
     if isinstance(output, (tuple, list)):
         return [kv for i, v in enumerate(output) for kv in ref_flatten(v, f"{prefix}[{i}]")]
     if dataclasses.is_dataclass(output):
-        return [kv for f in dataclasses.fields(output) for kv in ref_flatten(getattr(output, f.name), f"{prefix}.{f.name}")]
+        return [kv for f in dataclasses.fields(output)
+                for kv in ref_flatten(getattr(output, f.name), f"{prefix}.{f.name}")]
     return []
 
 
@@ -667,17 +669,17 @@ def test_rows_carry_rank_scope_under_distributed(monkeypatch):
 def test_dead_counts_per_row():
     acts = [torch.tensor([0, 3, 0]), torch.ones(0, dtype=torch.int64), torch.tensor([True, False]),
             torch.tensor([5, 5])]
-    assert _dead_counts(acts).tolist() == [2, 0, 1, 0]
-    assert _dead_counts([]).tolist() == []
-    assert _dead_counts([3, torch.tensor([0, 1, 0]), 0, torch.tensor([0.0])]).tolist() == [3, 2, 0, 1]
-    assert _dead_counts([0, 4]).tolist() == [0, 4]
+    assert dead_counts(acts).tolist() == [2, 0, 1, 0]
+    assert dead_counts([]).tolist() == []
+    assert dead_counts([3, torch.tensor([0, 1, 0]), 0, torch.tensor([0.0])]).tolist() == [3, 2, 0, 1]
+    assert dead_counts([0, 4]).tolist() == [0, 4]
 
 
 @pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((2, 7, 6), 2), ((6,), 0), ((3, 1), 1)])
 def test_dead_units_known_from_the_zero_count_agree_with_the_per_unit_pass(shape, dim):
     """On the CPU the per-unit pass is skipped when the zero count decides the answer: too few
     zeros for one unit (0 dead) or all zeros (all dead); every other case takes the pass."""
-    from gradfuse.activations.capture import _known_dead, _one_slice_alive, _unit_activity
+    from gradfuse.activations.dead_units import _known_dead, _one_slice_alive, _unit_activity
     gen = torch.Generator().manual_seed(0)
     cases = [torch.randn(shape, generator=gen), torch.zeros(shape), torch.randn(shape, generator=gen).relu()]
     one_dead = torch.randn(shape, generator=gen)

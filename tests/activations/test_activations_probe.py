@@ -1,5 +1,5 @@
 """The corner probe that decides "no dead unit" on the CPU without the per-unit pass
-(gradfuse.activations.capture._probe_alive): exact against the full pass, and taken where it should be."""
+(gradfuse.activations.dead_units._probe_alive): exact against the full pass, and taken where it should be."""
 import math
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.activations import capture as acts
-from gradfuse.activations.capture import _probe_alive, _unit_activity
+from gradfuse.activations import dead_units
+from gradfuse.activations.dead_units import _probe_alive, _unit_activity
 
 
 def truth(t, dim):
@@ -59,12 +59,12 @@ def test_capture_takes_the_probe_and_still_counts_a_partly_dead_layer(monkeypatc
     with torch.no_grad():
         model[2].bias[:3] = -1e3  # channels 0-2 of the second ReLU: dead
     passes = []
-    real = acts._unit_activity
+    real = dead_units._unit_activity
 
     def counted(t, dim):
         passes.append(tuple(t.shape))
         return real(t, dim)
-    monkeypatch.setattr(acts, "_unit_activity", counted)
+    monkeypatch.setattr(dead_units, "_unit_activity", counted)
     x = torch.randn(16, 3, 8, 8)
     with gradfuse.capture_activations(model) as cap:
         model(x).logsumexp(1).sum().backward()
@@ -75,7 +75,7 @@ def test_capture_takes_the_probe_and_still_counts_a_partly_dead_layer(monkeypatc
     assert b["2"]["dead_units"] == 3  # no gradient reaches the dead channels' pre-activations
     full = [s for s in passes if s == (16, 8, 8, 8)]
     assert 1 <= len(full) <= 4, passes  # the dead layer's rows only; the others were probed
-    monkeypatch.setattr(acts, "_probe_alive", lambda t, dim: False)
+    monkeypatch.setattr(dead_units, "_probe_alive", lambda t, dim: False)
     with gradfuse.capture_activations(model) as ref:
         model(x).logsumexp(1).sum().backward()
     for side in ("forward", "backward"):

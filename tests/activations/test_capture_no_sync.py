@@ -1,21 +1,22 @@
 """capture_activations and host reads, checked on the CPU under the guard of tests/sync_guard.py.
 
 On the CPU the capture reads small CPU values in its hooks on purpose (reading a CPU tensor is no
-device sync): the dead-unit shortcuts and the trace mode's plain sums (see the module docstring
-of gradfuse.activations.capture). Those reads are counted here. What it promises for an
-accelerator, "nothing is read in a hook", is checked by running the same capture with every tensor
-answering ``is_cpu`` False: ``Tensor.is_cpu`` is the only thing capture.py asks to choose between
-the CPU shortcuts and the device path (``t.is_cpu`` / ``counts.is_cpu`` in ``_rows``), so the hooks
+device sync): the dead-unit shortcuts and the trace mode's plain sums (see the module docstrings
+of gradfuse.activations.capture and gradfuse.activations.dead_units). Those reads are counted here.
+What it promises for an accelerator, "nothing is read in a hook", is checked by running the same
+capture with every tensor answering ``is_cpu`` False: ``Tensor.is_cpu`` is the only thing the
+capture asks to choose between the CPU shortcuts and the device path (``t.is_cpu`` /
+``counts.is_cpu`` in ``ActivationCapture._rows`` and ``dead_units.unit_activity_rows``), so the hooks
 then take the path an accelerator takes, on CPU tensors, and must read nothing; also with
 ``histogram=True``, whose exponent histograms are taken in the same hooks."""
 import contextlib
 
 import pytest
 import torch
+from sync_guard import SyncGuard
 from torch import nn
 
 import gradfuse
-from sync_guard import SyncGuard
 
 CPU_READS = {"Tensor.tolist", "aten._local_scalar_dense.default"}
 

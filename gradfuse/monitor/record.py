@@ -1,0 +1,117 @@
+"""What a ``GradMonitor`` hands its sinks: the record of a step, built from the step's
+``StepReport`` (the keys are listed on the Data reference page), the run configuration that
+sinks with ``on_start`` get before the first record, and which ranks write under
+``torch.distributed``.
+
+Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.clip`` and ``gradfuse.numerics``.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradfuse.clip.zclip import ZClip
+from gradfuse.core.engine import fused_stats
+from gradfuse.core.params import named_grads
+from gradfuse.monitor.report import StepReport
+from gradfuse.numerics import headroom
+from gradfuse.numerics.histogram import attach as attach_histogram
+
+
+def step_record(monitor, report: StepReport, event: bool, max_norm_now) -> dict:
+    """The record of ``report`` (reads its statistics: one transfer), as ``GradMonitor.record``.
+
+    Args:
+        monitor: The ``GradMonitor`` that took the step (its counters, ``layer_depth``,
+            ``histogram``, ``dynamics`` and watched ``source`` are read).
+        report: A ``StepReport`` with ``stats``.
+        event: The record is written because of an anomaly (its ``event`` key).
+        max_norm_now: The step's ``max_norm`` when its statistics hold none (a number, a
+            ``ZClip`` or None).
+
+    Returns:
+        The record, a dict of plain values.
+    """
+    d = report.stats.to_dict()
+    extra = {} if monitor.dynamics is None else monitor.dynamics.record(report)
+    return {
+        "step": report.step,
+        "total_norm": d["total_norm"],
+        "norm_type": d["norm_type"],
+        "max_norm": _logged_max_norm(report, max_norm_now),
+        "clip_coef": d["clip_coef"],
+        "clipped": d["clipped"],
+        "nonfinite": d["nonfinite"],
+        "skipped": report.skip,
+        "anomalies": report.anomalies,
+        "message": report.message,
+        "event": event,
+        "counters": monitor.counters(),
+        "params": d["params"],
+        "layers": report.stats.layers(monitor.layer_depth),
+        **(_headroom_fields(monitor.source, monitor.layer_depth) if monitor.histogram else {}),
+        **extra,
+        **_activation_fields(report, monitor.layer_depth),
+    }
+
+
+def _logged_max_norm(report: StepReport, max_norm_now):
+    m = report.stats.max_norm if report.stats is not None else None
+    if m is None:
+        m = max_norm_now
+    if isinstance(m, ZClip):  # its threshold of that step (inf: nothing clipped)
+        m = m.last_threshold
+    return float(m) if isinstance(m, torch.Tensor) else m
+
+
+def _headroom_fields(source, layer_depth: int | None) -> dict:
+    names, _params, grads = named_grads(source)
+    detached = [g.detach() for g in grads]
+    h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
+                         names, detached)
+    frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, layer_depth)
+    return {"headroom": frac, "exponents": exps}
+
+
+def _activation_fields(report: StepReport, layer_depth: int | None) -> dict:
+    out = {}
+    if report.first_nonfinite is not None:
+        out["first_nonfinite"] = list(report.first_nonfinite)
+    if report.activations is not None:
+        out["act"] = report.activations.forward.layers(layer_depth)
+        out["act_grad"] = report.activations.backward.layers(layer_depth)
+        if report.activations.histogram:
+            out["act_exponents"] = report.activations.forward.layer_exponents(layer_depth)
+            out["act_grad_exponents"] = report.activations.backward.layer_exponents(layer_depth)
+    return out
+
+
+def run_config(monitor, activations: bool) -> dict:
+    """The settings of ``monitor`` as plain values, as ``GradMonitor.config`` (``activations``:
+    whether it takes the activation statistics)."""
+    m = monitor.max_norm
+    if isinstance(m, ZClip):
+        m = "zclip"
+    elif callable(m):
+        m = "schedule"
+    dyn = monitor.dynamics
+    return {"max_norm": m, "norm_type": monitor.norm_type, "every": monitor.every,
+            "on_nonfinite": monitor.on_nonfinite, "on_explode": monitor.on_explode,
+            "explode_threshold": monitor.explode_threshold, "per": monitor.per,
+            "clip_value": monitor.clip_value, "agc": None if monitor.agc is None else float(monitor.agc[0]),
+            "layer_depth": monitor.layer_depth, "histogram": bool(monitor.histogram),
+            "activations": activations,
+            "noise_scale": bool(dyn is not None and dyn.noise_scale is not None),
+            "update_ratios": bool(dyn is not None and dyn.update_ratios is not None),
+            "sink_ranks": monitor.sink_ranks}
+
+
+def writing_rank(sink_ranks: int | str):
+    """None: not distributed (write, no rank key); False: this rank does not write; a rank
+    number: this rank writes with that ``rank`` key (``sink_ranks="all"``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return None
+    rank = torch.distributed.get_rank()
+    if sink_ranks == "all":
+        return rank
+    return None if rank == sink_ranks else False

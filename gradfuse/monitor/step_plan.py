@@ -1,0 +1,122 @@
+"""How one monitored step reads and changes the gradients: the pass that takes its statistics,
+and the clip that follows once the policies allow it.
+
+The passes, one fused pass each: under an enabled GradScaler with the monitor's ``optimizer``,
+the AMP unscale, statistics and clip in one read and one write (``gradfuse.core.amp``; the
+gradients stay scaled until the clip); with a total-norm ``max_norm`` and no policy to decide
+before clipping, statistics and clip in one call; with ``clip_value`` (order 2, no policy to
+decide), the clamp with the statistics from before clamping; else the statistics alone, and the
+clip (by the total norm, or the other modes of ``gradfuse.monitor.clip_strategy``) after the
+policies.
+
+Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.clip`` and the monitor's clip strategy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradfuse.clip.schedule import ScheduleError
+from gradfuse.clip.value import clamp_stats_
+from gradfuse.core import amp
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.params import with_grads
+from gradfuse.core.watch import GradWatch
+from gradfuse.monitor.clip_strategy import clip_other_modes_
+
+
+@dataclass
+class StepPlan:
+    """How one step of ``monitor`` takes its statistics and clips (``plan_step`` makes it).
+
+    ``monitor`` is the ``GradMonitor``: its ``optimizer``, ``scaler``, ``norm_type``, ``per``,
+    ``layer_depth``, ``clip_value`` and ``agc`` are read when the plan runs.
+    """
+    monitor: object
+    watch: GradWatch
+    names_by_param: dict  # id(parameter) -> name, for the fused AMP path
+    log_now: bool
+    rows: bool  # DTensor gradients: the per-parameter rows are reduced too, not only the total norm
+    fused_unscale: bool  # the fused AMP path
+    max_norm: object  # this step's max_norm: a float, a ZClip or None
+    bad_max_norm: ScheduleError | None  # a schedule that raised or gave a bad value at this step
+    plain: bool  # clip by the total norm
+    clip_now: bool  # statistics and clip in one call
+    value_now: bool  # clamp in one pass, with the statistics from before clamping
+    grads: list | None = None  # the fused AMP path: the gradients it unscales, and the inverse scale
+    inv_scale: torch.Tensor | None = None
+
+    def take_stats(self) -> GradStats:
+        """The step's statistics, by the plan's pass (the gradients already clipped when
+        ``clip_now``, clamped when ``value_now``; on the fused AMP path, still scaled)."""
+        m = self.monitor
+        if self.fused_unscale:
+            names, self.grads = amp.optimizer_named_grads(m.optimizer, self.names_by_param)
+            s, self.inv_scale = amp.unscaled_stats(names, self.grads, m.scaler, m.norm_type)
+            return s
+        if self.clip_now:
+            return self.watch.clip_(self.max_norm, rows=self.rows)
+        if self.value_now:  # one pass: clamp, with the statistics from before clamping
+            names, _params, grads = with_grads(self.watch.names, self.watch.params)
+            return clamp_stats_(names, grads, m.clip_value)
+        return self.watch.stats(rows=self.rows)
+
+    def leave_unscaled(self, s: GradStats) -> None:
+        """On the fused AMP path, unscales without clipping (a step that raises leaves the
+        gradients in true units, for inspection); else nothing."""
+        if self.fused_unscale:
+            amp.finish_unscale_(self.monitor.scaler, self.monitor.optimizer, self.grads, s, self.inv_scale, None)
+
+    def clip(self, s: GradStats, clip: bool) -> GradStats:
+        """Finishes the fused AMP unscale, and clips when ``clip`` (unless the statistics pass
+        clipped already).
+
+        Args:
+            s: The statistics ``take_stats`` returned.
+            clip: The step clips (a mode is set, and the step is neither skipped nor the
+                scaler's to skip).
+
+        Returns:
+            The statistics, with the clip's ``clip_coef`` and ``clipped`` when it clipped.
+        """
+        m = self.monitor
+        if self.fused_unscale:  # one multiply: unscale, and clip when due
+            s = amp.finish_unscale_(m.scaler, m.optimizer, self.grads, s, self.inv_scale,
+                                    self.max_norm if clip and self.plain else None)
+        elif clip and self.plain and not self.clip_now:
+            s = self.watch.clip_to(s, self.max_norm)
+        if clip and not self.plain and not self.value_now:  # the other modes
+            s = clip_other_modes_(s, self.watch, self.max_norm, per=m.per, layer_depth=m.layer_depth,
+                                  clip_value=m.clip_value, agc=m.agc)
+        return s
+
+
+def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool, fused_unscale: bool,
+              max_norm, bad_max_norm: ScheduleError | None, needs_flag: bool) -> StepPlan:
+    """The plan of one step of ``monitor``.
+
+    Args:
+        monitor: The ``GradMonitor`` (its ``sinks``, ``per``, ``clip_value`` and ``norm_type``
+            choose the pass).
+        watch: Its watch handle.
+        names_by_param: id(parameter) -> name, for the fused AMP path.
+        log_now: The step is logged.
+        fused_unscale: The step unscales the gradients itself (the fused AMP path).
+        max_norm: This step's ``max_norm`` (a float, a ``ZClip`` or None).
+        bad_max_norm: The error of a bad ``max_norm`` schedule value, or None.
+        needs_flag: A policy decides before the clip (no clip in the statistics pass).
+
+    Returns:
+        The ``StepPlan``.
+    """
+    # DTensor gradients: a step that does not log reduces only the total norm (one scalar
+    # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
+    rows = bool(log_now and monitor.sinks)
+    plain = isinstance(max_norm, float) and monitor.per is None
+    # With no policy to apply before clipping, statistics and clip are one call.
+    clip_now = not fused_unscale and plain and not needs_flag
+    value_now = (not fused_unscale and monitor.clip_value is not None and not needs_flag
+                 and monitor.norm_type == 2.0)
+    return StepPlan(monitor, watch, names_by_param, log_now, rows, fused_unscale, max_norm, bad_max_norm,
+                    plain, clip_now, value_now)
