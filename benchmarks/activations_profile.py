@@ -1,4 +1,4 @@
-"""Where a captured step's extra time goes, on the CPU (issue 16): the plain step against the
+"""Where a captured step's extra time goes, on the CPU: the plain step against the
 step under ``capture_activations`` (and the trace-only capture of ``trace_nonfinite``), with the
 time spent inside the hooks split by what it was spent on, measured with the thread's CPU clock
 around each call, summed per step:
@@ -124,7 +124,7 @@ def hooked_step(model, loss_fn, timed: Timed, stats: bool):
 
 
 VARIANTS = {"capture": ("capture_activations (statistics)", True, False),
-            "capture_no_probe": ("capture_activations without the corner probe (session 4's code; before)",
+            "capture_no_probe": ("capture_activations without the corner probe (before/after)",
                                  True, True),
             "trace": ("trace-only capture (trace_nonfinite)", False, False)}
 

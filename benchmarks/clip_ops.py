@@ -1,4 +1,4 @@
-"""Issue 17's kernels against what they replace, interleaved in one run (medians, ratios, GB/s):
+"""The clipping kernels against what they replace, interleaved in one run (medians, ratios, GB/s):
 
   per-tensor scale  ops.multi_tensor_scale_per_tensor_ (one coefficient per tensor, on the device)
                     vs the scalar scale op (torch.ops.gradfuse.multi_tensor_scale_) and

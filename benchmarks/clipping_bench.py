@@ -1,4 +1,4 @@
-"""Issue 17 clipping modes against their baselines, CPU, interleaved in one process, medians and
+"""The clipping modes against their baselines, CPU, interleaved in one process, medians and
 ratios from the same run:
 
 - ``clip_(per="layer")`` / ``clip_(per="param")`` vs gradfuse's global ``clip_``, all clipping

@@ -1,4 +1,4 @@
-"""Exponent histogram on the CPU (issue 19): the fused histogram pass over GPT-2-small-shaped
+"""Exponent histogram on the CPU: the fused histogram pass over GPT-2-small-shaped
 gradient sets against the machine's read bandwidth on the same bytes (memory_read: a float32 sum,
 as benchmarks/methods.py) and the fused statistics pass, every call interleaved with the others
 in one process; medians, GB/s of gradient bytes and the ratio to memory_read. Where the CPU has
@@ -11,7 +11,7 @@ their AVX2 loop is timed as well.
 Gradients as in the other benchmarks (workloads.make_grads: uniform in (-1, 1), no zeros, so no
 chunk runs pass 2). Target: >= 50% of memory_read. Where the CPU has AVX2, the histogram runs
 twice per round: the AVX2 kernel (the default choice, hist_avx2.cpp) and the default-capability
-loop (hist_cpu.cpp, the only one before session 5), so both are timed in the same run.
+loop (hist_cpu.cpp, the one for CPUs without AVX2), so both are timed in the same run.
 
 --distributions: one 8M-element tensor per value distribution (uniform(-1, 1), randn * 1e-3, a
 constant, a mostly-zero embedding-like gradient, randn * 1e-3 with NaN / Inf / subnormals / zeros

@@ -1,4 +1,4 @@
-"""Issue 17, session 4: gradfuse.ZClip against the ``zclip`` package's ``step``, per regime, on
+"""gradfuse.ZClip against the ``zclip`` package's ``step``, per regime, on
 the CPU, with the bytes each one moves over the gradients per step.
 
 Regimes (every step of a regime is that regime: the gradients, and for the spike regime the
