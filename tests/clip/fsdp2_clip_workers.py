@@ -1,4 +1,4 @@
-"""Run in each gloo process of tests/test_fsdp2_torch_clip.py.
+"""Run in each gloo process of tests/clip/test_fsdp2_torch_clip.py.
 
 ``check_torch_fsdp2_clip_1d`` is PyTorch's own FSDP2 clipping test, ``test_clip_grad_norm_1d``
 and its ``_test_clip_grad_norm`` in ``test/distributed/_composable/fsdp/
