@@ -1,4 +1,6 @@
-"""What watching activations costs, per training step (forward + backward), on the CPU:
+"""What watching activations costs, per training step (forward + backward), on the CPU.
+
+The comparisons:
 
 (a) a step under ``gradfuse.capture_activations`` (every module, outputs and output gradients)
     against the same step unwatched;
@@ -17,7 +19,8 @@ that step). Time
 is the process's CPU time (one torch thread by default): on a shared machine, wall time mostly
 measures the other processes; wall-time medians are shown too.
 
-    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--batch N] [--smoke] [--variants capture,...]
+    python benchmarks/activations_bench.py [--models gpt2,resnet] [--rounds 15] [--batch N] [--smoke]
+                                           [--variants capture,...]
 """
 from __future__ import annotations
 
@@ -417,12 +420,16 @@ def partial_report(label, times, walls, loop, cap, rounds, floor, read, hooks_se
                      f"of the step (medians), {ratio('read_floor', 'plain'):.3f}x by per-round ratios")
     if read is not None:
         lines.append(f"- bytes per step: floor {floor.bytes / 1e6:.0f} MB ({floor.tensors} distinct values read once); "
-                     f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats {read['stats'] / 1e6:.0f} MB "
-                     f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB (abs read+write, sum read; "
-                     f"the other rows' dead units are decided by their zero count, the corner probe or the one-slice test); the hook loop ~"
+                     f"gradfuse {(read['stats'] + read['activity']) / 1e6:.0f} MB = fused stats "
+                     f"{read['stats'] / 1e6:.0f} MB "
+                     f"+ {read['activity_passes']} dead-unit passes {read['activity'] / 1e6:.0f} MB "
+                     "(abs read+write, sum read; "
+                     "the other rows' dead units are decided by their zero count, the corner probe or the one-slice "
+                     "test); the hook loop ~"
                      f"{9.75 * loop.bytes / 1e6:.0f} MB (9.75 N) and {ITEMS_PER_TENSOR * loop.tensors} `.item()` calls")
     if "monitor_activations_unsampled" in times:
-        lines.append(f"- hooks registered during an unsampled monitor step: {hooks_seen.get('monitor_activations_unsampled')}")
+        lines.append("- hooks registered during an unsampled monitor step: "
+                     f"{hooks_seen.get('monitor_activations_unsampled')}")
     if "monitor_trace" in times:
         lines.append(f"- trace_nonfinite vs detect_anomaly: {ratio('monitor_trace', 'monitor'):.3f}x"
                      + (f" vs {ratio('detect_anomaly', 'plain'):.3f}x" if "detect_anomaly" in times else ""))

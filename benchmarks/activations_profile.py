@@ -1,7 +1,9 @@
 """Where a captured step's extra time goes, on the CPU: the plain step against the
 step under ``capture_activations`` (and the trace-only capture of ``trace_nonfinite``), with the
 time spent inside the hooks split by what it was spent on, measured with the thread's CPU clock
-around each call, summed per step:
+around each call, summed per step.
+
+The parts:
 
 - ``stats op``: the fused statistics op (``gradfuse._C``), per tensor shape, with its rate;
 - ``t.sum() on the same tensors``: one plain read of each of those tensors, right after the op

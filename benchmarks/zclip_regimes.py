@@ -184,6 +184,7 @@ def count_ops(workload: str, regimes: list[str]) -> list[str]:
     casts), and host reads (``_local_scalar_dense``: ``.item()``), per implementation: what a
     GPU estimate starts from. Shapes are cut 64x: the counts depend on the tensor count only."""
     import collections
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):

@@ -65,7 +65,8 @@ def test_a_clean_tree_passes(tmp_path):
 
 @pytest.mark.parametrize("rel, text, expected", [
     # the core importing a capability (a function-level import counts)
-    ("gradfuse/core/engine.py", "def f():\n    from gradfuse.clip import norm\n", "imports gradfuse.clip.norm (capabilities)"),
+    ("gradfuse/core/engine.py", "def f():\n    from gradfuse.clip import norm\n",
+     "imports gradfuse.clip.norm (capabilities)"),
     # capabilities side by side do not import each other
     ("gradfuse/numerics/hist.py", "from gradfuse.clip import norm\n", "imports gradfuse.clip.norm"),
     # another module's private name, imported or read through the module
