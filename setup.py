@@ -86,7 +86,7 @@ def nvcc_version(cuda_home):
 
 
 def decide_cuda(torch):
-    """(use_cuda, cuda_home, reason)"""
+    """Whether to build the CUDA kernels: (use_cuda, cuda_home, reason)."""
     want = os.environ.get("GRADFUSE_CUDA")
     if want == "0":
         return False, None, "GRADFUSE_CUDA=0"
@@ -173,7 +173,7 @@ def extensions():
     if use_cuda:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             if torch.cuda.is_available():
-                archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
                                          for i in range(torch.cuda.device_count())}))
             else:
                 archs = DEFAULT_CUDA_ARCHS

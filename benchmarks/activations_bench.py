@@ -263,7 +263,7 @@ def run_model(label, model, loss_fn, rounds: int, seed: int = 0, only=None,
         finally:
             acts._unit_activity = real
 
-    def capture_no_probe():  # before/after: the capture as of session 4 (no corner probe)
+    def capture_no_probe():  # before/after: the capture without the corner probe
         real = acts._probe_alive
         acts._probe_alive = lambda t, dim: None
         try:
@@ -374,7 +374,7 @@ BASELINE = {"capture": "plain", "capture_no_probe": "plain", "capture_no_dead_un
             "hook_loop": "plain", "read_floor": "plain", "detect_anomaly": "plain",
             "monitor_activations_unsampled": "monitor", "monitor_trace": "monitor"}
 TITLES = {"plain": "plain forward+backward", "capture": "(a) capture_activations, every module",
-          "capture_no_probe": "  capture without the corner probe (session 4's code; before)",
+          "capture_no_probe": "  capture without the corner probe (before/after)",
           "capture_no_dead_units": "  capture without its dead-unit passes (decomposition)",
           "hooks_only": "  capture's hooks and bookkeeping only, no tensor read (decomposition)",
           "hook_loop": "(b) hook loop with .item()",

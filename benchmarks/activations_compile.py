@@ -1,7 +1,7 @@
 """What happens when the monitor watches the activations of a module that runs through a
 ``torch.compile`` wrapper it was not told about (``cmodel = torch.compile(model)``, the monitor
 gets ``model``): counts dynamo's graphs and recompilations over sampled and unsampled steps.
-(A compiled module handed to the monitor itself is refused; see README, "Activations".)
+(A compiled module handed to the monitor itself is refused; see README, "Activations").
 
     python benchmarks/activations_compile.py [--steps 8]
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from torch import nn
 
 

@@ -126,7 +126,7 @@ def hooked_step(model, loss_fn, timed: Timed, stats: bool):
 
 
 VARIANTS = {"capture": ("capture_activations (statistics)", True, False),
-            "capture_no_probe": ("capture_activations without the corner probe (session 4's code; before)",
+            "capture_no_probe": ("capture_activations without the corner probe (before/after)",
                                  True, True),
             "trace": ("trace-only capture (trace_nonfinite)", False, False)}
 

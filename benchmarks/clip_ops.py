@@ -1,4 +1,6 @@
-"""Issue 17's kernels against what they replace, interleaved in one run (medians, ratios, GB/s):
+"""The clipping kernels against what they replace, interleaved in one run (medians, ratios, GB/s).
+
+The pairs:
 
   per-tensor scale  ops.multi_tensor_scale_per_tensor_ (one coefficient per tensor, on the device)
                     vs the scalar scale op (torch.ops.gradfuse.multi_tensor_scale_) and
@@ -78,7 +80,7 @@ def run(shapes, dtype, device, rounds):
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     table = methods(grads, params, device)
     times = {k: [] for k in table}
-    for name, (fn, _) in table.items():  # warm-up
+    for fn, _ in table.values():  # warm-up
         fn()
     sync(device)
     for _ in range(rounds):

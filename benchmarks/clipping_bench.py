@@ -1,5 +1,7 @@
-"""Issue 17 clipping modes against their baselines, CPU, interleaved in one process, medians and
-ratios from the same run:
+"""The clipping modes against their baselines, CPU, interleaved in one process, medians and
+ratios from the same run.
+
+The pairs and their targets:
 
 - ``clip_(per="layer")`` / ``clip_(per="param")`` vs gradfuse's global ``clip_``, all clipping
   (target: at most 1.15x);

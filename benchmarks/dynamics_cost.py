@@ -1,4 +1,4 @@
-"""What GradMonitor(noise_scale=..., update_ratios=...) adds to a step (issue 19, parts 2 and 3):
+"""What GradMonitor(noise_scale=..., update_ratios=...) adds to a step:
 fused stats passes counted per step (the op, however it is reached), and the time of each variant
 against the monitor without these options, all variants interleaved in one process, medians.
 

@@ -55,10 +55,11 @@ def _measure(fn):
 
 
 def _worker(rank, world, init_file, layers, out):
-    import gradfuse
-    from gradfuse.demo import workloads as wl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
+    import gradfuse
+    from gradfuse.demo import workloads as wl
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(rank)
@@ -107,7 +108,8 @@ def main() -> int:
                  nprocs=args.world, join=True)
         print(f"GPT-2-small shapes ({args.layers} layers), Shard(0) over {args.world} gloo ranks, "
               f"torch {torch.__version__}\n")
-        print("| call | c10d_functional.all_reduce (CommDebugMode) | torch.distributed.all_reduce | bytes per rank |\n|---|---:|---:|---:|")
+        print("| call | c10d_functional.all_reduce (CommDebugMode) | torch.distributed.all_reduce | bytes per rank |\n"
+              "|---|---:|---:|---:|")
         print(open(out).read(), end="")
     return 0
 

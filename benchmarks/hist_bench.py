@@ -1,4 +1,4 @@
-"""Exponent histogram on the CPU (issue 19): the fused histogram pass over GPT-2-small-shaped
+"""Exponent histogram on the CPU: the fused histogram pass over GPT-2-small-shaped
 gradient sets against the machine's read bandwidth on the same bytes (memory_read: a float32 sum,
 as benchmarks/methods.py) and the fused statistics pass, every call interleaved with the others
 in one process; medians, GB/s of gradient bytes and the ratio to memory_read. Where the CPU has
@@ -11,7 +11,7 @@ their AVX2 loop is timed as well.
 Gradients as in the other benchmarks (workloads.make_grads: uniform in (-1, 1), no zeros, so no
 chunk runs pass 2). Target: >= 50% of memory_read. Where the CPU has AVX2, the histogram runs
 twice per round: the AVX2 kernel (the default choice, hist_avx2.cpp) and the default-capability
-loop (hist_cpu.cpp, the only one before session 5), so both are timed in the same run.
+loop (hist_cpu.cpp, the one for CPUs without AVX2), so both are timed in the same run.
 
 --distributions: one 8M-element tensor per value distribution (uniform(-1, 1), randn * 1e-3, a
 constant, a mostly-zero embedding-like gradient, randn * 1e-3 with NaN / Inf / subnormals / zeros
@@ -20,18 +20,17 @@ sprinkled), both loops interleaved, ms per call (median), one thread by default.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 
-import math
-
 import torch
 
 import gradfuse
-from gradfuse.ops import library
 from gradfuse import histogram as H
 from gradfuse.demo import workloads as wl
+from gradfuse.ops import library
 
 
 def has_avx2() -> bool:
@@ -39,7 +38,7 @@ def has_avx2() -> bool:
 
 
 def with_setting(get, set_, value, fn):
-    """fn run with an extension setting at `value`, then the setting as it was."""
+    """A function that runs fn with an extension setting at `value`, then sets it back as it was."""
     def run():
         before = get()
         set_(value)
@@ -51,7 +50,7 @@ def with_setting(get, set_, value, fn):
 
 
 def with_capability(isa, fn):
-    """fn run under CPU capability `isa` (the histogram's loop follows it)."""
+    """A function that runs fn under CPU capability `isa` (the histogram's loop follows it)."""
     return with_setting(library.extension.cpu_capability, library.extension.set_cpu_capability, isa, fn)
 
 
@@ -60,7 +59,7 @@ def has_avx512_loop() -> bool:
 
 
 def with_avx2_loop(fn):
-    """fn run with the AVX2 kernels' AVX2 counting loop instead of their AVX-512 one."""
+    """A function that runs fn with the AVX2 kernels' AVX2 counting loop instead of their AVX-512 one."""
     return with_setting(library.extension.histogram_avx512, library.extension.set_histogram_avx512, False, fn)
 
 
@@ -110,7 +109,7 @@ def run_distributions(args) -> int:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name, x in distributions(dtype).items():
-            fns = {isa: with_capability(isa, lambda: H.multi_tensor_exponent_histogram([x])) for isa in isas}
+            fns = {isa: with_capability(isa, lambda x=x: H.multi_tensor_exponent_histogram([x])) for isa in isas}
             results = {isa: fn() for isa, fn in fns.items()}  # warm-up; and the loops agree
             assert all(torch.equal(r, results["default"]) for r in results.values()), (dtype, name)
             times = {isa: [] for isa in isas}

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["clip_grad_norm_(foreach=True)"])
     print(f"{args.count} tiny gradients, {torch.get_num_threads()} threads, median of {args.rounds}")
-    print(f"| call | median ms | ns per parameter | vs clip_grad_norm_(foreach) |\n|---|---:|---:|---:|")
+    print("| call | median ms | ns per parameter | vs clip_grad_norm_(foreach) |\n|---|---:|---:|---:|")
     for name, v in times.items():
         m = statistics.median(v)
         print(f"| {name} | {m * 1e3:.2f} | {m / args.count * 1e9:.0f} | {m / base:.3f}x |")

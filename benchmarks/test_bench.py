@@ -4,7 +4,6 @@ and the memory system (read and copy of the same number of bytes), per workload 
 Run: pytest benchmarks --benchmark-only --benchmark-json=bench.json  (then summarize.py)
 """
 import torch
-
 from conftest import sync
 from methods import METHODS, grad_bytes
 

@@ -1,4 +1,4 @@
-"""Issue 17, session 4: gradfuse.ZClip against the ``zclip`` package's ``step``, per regime, on
+"""gradfuse.ZClip against the ``zclip`` package's ``step``, per regime, on
 the CPU, with the bytes each one moves over the gradients per step.
 
 Regimes (every step of a regime is that regime: the gradients, and for the spike regime the
@@ -184,6 +184,7 @@ def count_ops(workload: str, regimes: list[str]) -> list[str]:
     casts), and host reads (``_local_scalar_dense``: ``.item()``), per implementation: what a
     GPU estimate starts from. Shapes are cut 64x: the counts depend on the tensor count only."""
     import collections
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):

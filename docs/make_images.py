@@ -1,4 +1,6 @@
-"""Regenerates the README's pictures (needs matplotlib):
+"""Regenerates the README's pictures (needs matplotlib).
+
+Run:
 
     .venv/bin/python docs/make_images.py
 

@@ -9,9 +9,16 @@ import json
 import sys
 from pathlib import Path
 
+# What ``gradfuse --help`` shows users (the module docstring above is for contributors).
+DESCRIPTION = """Fused gradient statistics, clipping and monitoring for PyTorch, from the command line:
+run the demo (a small training run with the monitor on, a planted spike and NaN caught), draw the
+gradient flow of a GradMonitor JSONL log, or show what the extension was built for against what is
+running. `gradfuse COMMAND --help` describes a command's options."""
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gradfuse", description=__doc__)
+    """Runs the command line on ``argv`` (default: ``sys.argv[1:]``) and returns the exit status."""
+    parser = argparse.ArgumentParser(prog="gradfuse", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a small model on built-in data with the monitor on")
     d.add_argument("--steps", type=int, default=200)

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Checks the package's layers from its source alone (no import of gradfuse):
+"""Checks the package's layers, and the words of what a contributor reads, from the source alone.
+
+No import of gradfuse. It checks that:
 
 - every module belongs to a layer (LAYERS below) and imports only from its own layer or those
   below it; the capabilities side by side (clip, numerics, activations, dynamics) do not import
@@ -9,8 +11,10 @@
   gradfuse module, or ``obj._x`` where ``_x`` is defined only in other gradfuse modules (a
   class's ``self._x`` is its own, or what its base class leaves to subclasses);
 - every package's docstring says its layer (a line starting ``Layer:``);
-- no file of the package, csrc/, tests/, docs/ or README.md speaks of issue numbers or work
-  sessions (the history belongs in git and CHANGELOG.md).
+- no file a contributor reads (the package, csrc/, tests/, docs/, benchmarks/, scripts/, .ci/,
+  README.md, CONTRIBUTING.md, the requirement lists and the build and site configuration) speaks of
+  issue numbers or work periods (the history belongs in git and CHANGELOG.md); pytest's
+  ``scope="session"`` and names such as ``requests.Session()`` are not history.
 
 Usage: python scripts/check_architecture.py [ROOT]   (exit status 1 with a list of findings)
 """
@@ -38,7 +42,13 @@ LAYERS = [
 LAYER_NAMES = {0: "ops", 1: "core", 2: "capabilities", 3: "functional", 4: "monitor", 5: "viz",
                6: "integrations", 7: "top"}
 HISTORY_WORDS = re.compile(r"\bissue[ #]*[0-9]+|\bsessions?\b", re.IGNORECASE)
-HISTORY_EXEMPT = re.compile(r"Session\(|_session|session_")
+HISTORY_EXEMPT = re.compile(r"Session\(|_session|session_|scope=[\"']session[\"']")
+# Where the history-word check looks: these folders (all their text files) and these top-level
+# files (glob patterns). CHANGELOG.md is where the history goes, so it is not among them.
+HISTORY_DIRS = ("gradfuse", "csrc", "tests", "docs", "benchmarks", "scripts", ".ci")
+HISTORY_FILES = ("README.md", "CONTRIBUTING.md", "requirements*.txt", "setup.py", "pyproject.toml", "mkdocs.yml",
+                 "MANIFEST.in", "CITATION.cff", ".pre-commit-config.yaml")
+BINARY_SUFFIXES = (".png", ".jpg", ".svg", ".so", ".pyc", ".o", ".a")
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -190,10 +200,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def history_words(root: Path) -> list[str]:
     found = []
-    paths = [root / "README.md"] + [p for d in ("gradfuse", "csrc", "tests", "docs")
-                                    for p in sorted((root / d).rglob("*")) if p.is_file()]
+    paths = [p for pattern in HISTORY_FILES for p in sorted(root.glob(pattern))]
+    for d in HISTORY_DIRS:
+        for path in sorted((root / d).rglob("*")):
+            inner = path.relative_to(root / d).parts
+            # caches and tool output (__pycache__, .hypothesis, .benchmarks, ...) are no one's reading
+            if "__pycache__" in inner or any(part.startswith(".") for part in inner):
+                continue
+            paths.append(path)
     for path in paths:
-        if not path.exists() or path.suffix in (".png", ".so", ".pyc", ".o") or "__pycache__" in path.parts:
+        if not path.is_file() or path.suffix in BINARY_SUFFIXES:
             continue
         try:
             text = path.read_text()

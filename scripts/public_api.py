@@ -50,7 +50,8 @@ def _describe(obj) -> dict:
                 if name.startswith("_") and name != "__init__":
                     continue
                 if isinstance(value, property) or (isinstance(value, object) and not callable(value)
-                                                   and name != "__init__" and not isinstance(value, (staticmethod, classmethod))):
+                                                   and name != "__init__"
+                                                   and not isinstance(value, (staticmethod, classmethod))):
                     members[name] = {"kind": "attribute"}
                 elif callable(value) or isinstance(value, (staticmethod, classmethod)):
                     members[name] = {"kind": "method", "parameters": _signature(getattr(obj, name))}

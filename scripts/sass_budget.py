@@ -115,7 +115,7 @@ class Resources:
 
 
 def find_tool(name: str) -> str:
-    """cuobjdump / nvdisasm: $NAME (upper case), the nvidia-cuda-* pip package, PATH, CUDA_HOME."""
+    """The path of cuobjdump / nvdisasm: $NAME (upper case), the nvidia-cuda-* pip package, PATH, CUDA_HOME."""
     if os.environ.get(name.upper()):
         return os.environ[name.upper()]
     spec = importlib.util.find_spec("nvidia")

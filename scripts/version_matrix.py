@@ -252,7 +252,8 @@ def write_table(base: Path, pytest_args: list[str]) -> None:
         results.append(json.loads(path.read_text()))
     order = {cell: i for i, cell in enumerate(BELOW_FLOOR + CELLS)}
     results.sort(key=lambda r: (order.get(r["cell"], len(order)), r["cell"]))
-    rows = ["| Python | torch | torch's CUDA | kernels built | build | tests (passed / failed / skipped) | test time | measured |",
+    rows = ["| Python | torch | torch's CUDA | kernels built | build | tests (passed / failed / skipped) | test time "
+            "| measured |",
             "|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in results:

@@ -2,9 +2,9 @@
 reference, vectorised over units (tens of thousands of units per call): the tolerances of
 helpers.assert_stats_close, row by row."""
 import torch
+from helpers import acc_eps, acc_tiny
 
 from gradfuse.ops import reference
-from helpers import acc_eps, acc_tiny
 
 
 def assert_unit_stats_close(tensors, units, got, norm_type=2.0, expected=None):

@@ -1,14 +1,15 @@
-"""Code run in each process of the distributed tests (spawned by core/test_distributed.py and clip/test_fsdp2_torch_clip.py)."""
+"""Code run in each process of the distributed tests (spawned by core/test_distributed.py and
+clip/test_fsdp2_torch_clip.py)."""
 import contextlib
 import copy
 import math
 
 import torch
 import torch.distributed as dist
+from gloo_checks import run_checks
 from torch import nn
 
 import gradfuse
-from gloo_checks import run_checks
 
 
 def full(t):

@@ -4,10 +4,9 @@ import os
 import subprocess
 import sys
 
+import cuda_emu
 import pytest
 import torch
-
-import cuda_emu
 
 SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
 

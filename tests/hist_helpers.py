@@ -38,7 +38,7 @@ def expected_rows(tensors) -> torch.Tensor:
 
 
 def every_exponent(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    """n values of `dtype`: random signs and mantissas over every binade the dtype has
+    """``n`` values of `dtype`: random signs and mantissas over every binade the dtype has
     (subnormals included, float64 also outside the bins' [-149, 127]), with zeros of both signs,
     +-inf and NaN planted at chunk boundaries and in the tail."""
     g = torch.Generator().manual_seed(seed)
@@ -61,7 +61,7 @@ def every_exponent(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def random_bits(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    """n uniformly random bit patterns viewed as `dtype`: every class of value, NaN payloads
+    """``n`` uniformly random bit patterns viewed as `dtype`: every class of value, NaN payloads
     and both signs included."""
     g = torch.Generator().manual_seed(seed)
     width = torch.finfo(dtype).bits

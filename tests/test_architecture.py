@@ -65,7 +65,8 @@ def test_a_clean_tree_passes(tmp_path):
 
 @pytest.mark.parametrize("rel, text, expected", [
     # the core importing a capability (a function-level import counts)
-    ("gradfuse/core/engine.py", "def f():\n    from gradfuse.clip import norm\n", "imports gradfuse.clip.norm (capabilities)"),
+    ("gradfuse/core/engine.py", "def f():\n    from gradfuse.clip import norm\n",
+     "imports gradfuse.clip.norm (capabilities)"),
     # capabilities side by side do not import each other
     ("gradfuse/numerics/hist.py", "from gradfuse.clip import norm\n", "imports gradfuse.clip.norm"),
     # another module's private name, imported or read through the module
@@ -96,3 +97,26 @@ def test_history_words_are_found(tmp_path):
                             "docs/a.md": "uses a requests.Session() object\n"})
     found = check.history_words(root)
     assert [f.split(":")[0] for f in found] == ["README.md", "tests/test_x.py"]
+
+
+def test_history_words_are_found_wherever_a_contributor_reads(tmp_path):
+    # Planted words spelled in two pieces, as above. Each file below but the last four is a finding.
+    iss, sess = "iss" + "ue 18", "sess" + "ion"
+    root = _tree(tmp_path, {**LAYERED,
+                            "benchmarks/bench.py": f'"""Timed for {iss}."""\n',
+                            "benchmarks/kernel_ab/run.sh": f"# default: the kernel of {sess} 5\n",
+                            "benchmarks/RESULTS.md": f"Measured in the last {sess}.\n",
+                            "scripts/tool.py": f"# see {iss}\n",
+                            ".ci/run": f"# added for {iss}\n",
+                            "requirements-dev.txt": f"# {iss}: the references\ntimm\n",
+                            "CONTRIBUTING.md": f"Since {sess} 4 the docs build strictly.\n",
+                            "docs/page.md": f"Fixed in {iss}.\n",
+                            # not findings: pytest's fixture scope, tool caches, the changelog
+                            "benchmarks/conftest.py": f'@pytest.fixture(scope="{sess}")\ndef f():\n    pass\n',
+                            "tests/conftest.py": f"@pytest.fixture(scope='{sess}')\ndef g():\n    pass\n",
+                            "benchmarks/.benchmarks/run.json": f'{{"note": "{iss}"}}\n',
+                            "CHANGELOG.md": f"- the fix of {iss}\n"})
+    found = sorted(f.split(":")[0] for f in check.history_words(root))
+    assert found == sorted([".ci/run", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "benchmarks/bench.py",
+                            "benchmarks/kernel_ab/run.sh", "docs/page.md", "requirements-dev.txt",
+                            "scripts/tool.py"])

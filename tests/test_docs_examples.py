@@ -126,7 +126,7 @@ def normalise(output: str) -> str:
     return "\n".join(line.rstrip() for line in output.rstrip().splitlines())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_page(page: str) -> dict:
     """{example id: {"stdout", "error", "seconds"}} for the page's examples that are not marked."""
     to_run = [e for e in ALL_EXAMPLES if e.page == page and e.skip_reason is None]

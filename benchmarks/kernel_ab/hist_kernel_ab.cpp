@@ -1,4 +1,4 @@
-// Single-thread A/B of the AVX2 exponent-histogram chunk kernel (issue 19): the working tree's
+// Single-thread A/B of the AVX2 exponent-histogram chunk kernel: the working tree's
 // csrc/cpu/hist_avx2.cpp (namespace gf_new) against the same file of an older commit (gf_old),
 // both compiled by hist_run.sh. Per value distribution, 8M elements (32 MB fp32 / 16 MB bf16)
 // counted chunk by chunk as hist_cpu.cpp does, old, new (with its AVX-512 loop where the CPU has

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Usage: bash benchmarks/kernel_ab/hist_run.sh [OLD_REV] [ROUNDS] [cache]   (default OLD_REV: 7b6f01c,
-# the session-5 kernel). Builds hist_kernel_ab.cpp with csrc/cpu/hist_avx2.cpp of the working tree
+# the AVX2 kernel before its hot-field window and AVX-512 loop). Builds hist_kernel_ab.cpp with csrc/cpu/hist_avx2.cpp of the working tree
 # and of OLD_REV (renamed namespaces) and runs it: single thread, no Python. Needs the venv's torch.
 set -euo pipefail
 cd "$(dirname "$0")"

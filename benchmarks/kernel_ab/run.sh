@@ -1,5 +1,6 @@
 #!/bin/bash
-# Usage: bash benchmarks/kernel_ab/run.sh [OLD_REV]   (default: 0517da1, before issue 18 session 5)
+# Usage: bash benchmarks/kernel_ab/run.sh [OLD_REV]   (default: 0517da1, the kernels before the
+# AVX2 pass-1 rework: four sum streams, software prefetch)
 # Builds and runs stats_kernel_ab.cpp (single thread, no Python). Needs the venv's torch headers.
 set -euo pipefail
 cd "$(dirname "$0")"

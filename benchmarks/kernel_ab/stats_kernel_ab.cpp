@@ -1,7 +1,7 @@
 // Single-thread A/B of the AVX2 stats kernel: the working tree's csrc/cpu/kernels_avx2.cpp against
 // kernels_impl.h of an older commit (old_impl.h, made by run.sh), interleaved, medians of 11;
 // "read" is a plain 4-accumulator AVX2 sum over the same bytes. "hot" rows reread a 128 KB
-// (fp32) / 64 KB (16-bit) tensor 2000 times: the in-cache compute rate per core. Issue 18.
+// (fp32) / 64 KB (16-bit) tensor 2000 times: the in-cache compute rate per core.
 #include "../../csrc/cpu/kernels_avx2.cpp"
 #include "old_impl.h"
 #include <chrono>

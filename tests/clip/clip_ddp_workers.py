@@ -5,10 +5,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from gloo_checks import run_checks
 from torch import nn
 
 import gradfuse
-from gloo_checks import run_checks
 
 
 def _model(seed=0):

@@ -1,4 +1,4 @@
-"""Run in each gloo process of tests/test_fsdp2_torch_clip.py.
+"""Run in each gloo process of tests/clip/test_fsdp2_torch_clip.py.
 
 ``check_torch_fsdp2_clip_1d`` is PyTorch's own FSDP2 clipping test, ``test_clip_grad_norm_1d``
 and its ``_test_clip_grad_norm`` in ``test/distributed/_composable/fsdp/
@@ -14,11 +14,10 @@ import copy
 import functools
 
 import torch
-import torch.distributed as dist
+from gloo_checks import run_checks
 from torch import nn
 
 import gradfuse
-from gloo_checks import run_checks
 
 
 def _assert_equal(a, b):
@@ -98,8 +97,7 @@ def _clip_grad_norm_test(max_norm, norm_type, ref_model, ref_optim, model, optim
 def _models(mesh, ref_group=None):
     from torch.distributed._composable import replicate
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed._tensor.common_dtensor import (
-        ModelArgs, Transformer, TransformerBlock)
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
     torch.manual_seed(42)
     model = Transformer(ModelArgs(dropout_p=0.0))
     ref_model = replicate(copy.deepcopy(model), process_group=ref_group)
@@ -113,7 +111,7 @@ def _models(mesh, ref_group=None):
 
 
 def check_torch_fsdp2_clip_1d(rank, world):
-    """torch's test_clip_grad_norm_1d."""
+    """PyTorch's test_clip_grad_norm_1d."""
     from torch.distributed.device_mesh import init_device_mesh
     dp_mesh = init_device_mesh("cpu", (world,))
     for norm_type in (2, 1, float("inf")):

@@ -1,5 +1,5 @@
 """gradfuse.clip_grad_norm_, get_total_norm, clip_grads_with_norm_ and clip_ against
-torch.nn.utils, run live side by side. (PyTorch's own clip test cases: test_clip_torch_cases.py.)"""
+torch.nn.utils, run live side by side. (PyTorch's own clip test cases: test_clip_torch_cases.py)."""
 import inspect
 import math
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.core import params as api, slow_paths
+from gradfuse.core import slow_paths
 
 inf = math.inf
 POSITIVE_ORDERS = [2.0, 1.0, inf, 3.0, 0.5]
@@ -217,7 +217,7 @@ def test_overflowing_norm_error_says_so(device):
 
 
 def test_zero_norm_counts_gradients_as_torch():
-    """torch composes norms: the total 0-norm is the number of gradients with a non-zero
+    """PyTorch composes norms: the total 0-norm is the number of gradients with a non-zero
     element, and clipping scales by that."""
     grads = [torch.zeros(3), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([1.0, math.nan]),
              torch.tensor([0.5, -0.5, 0.25])]

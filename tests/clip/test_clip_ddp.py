@@ -1,10 +1,9 @@
 """The double-clip check under DDP with 2 gloo ranks: DDP's write-back of the reduced
 gradients is not reported, a user's clip_grad_norm_ after the backward is, on every rank."""
+import clip_ddp_workers
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import clip_ddp_workers
 from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -5,11 +5,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import ListSink
 from torch import nn
 
 import gradfuse
 from gradfuse import GradientAnomaly, GradMonitor
-from helpers import ListSink
 
 
 def make_model(seed=0):
@@ -167,7 +167,7 @@ def test_double_clip_quiet_with_accumulation_and_unscale_and_off_switch():
         warnings.simplefilter("error")
         for _ in range(3):
             model.zero_grad(set_to_none=False)
-            for k in range(3):  # accumulation: in-place adds, all during the backward
+            for _ in range(3):  # accumulation: in-place adds, all during the backward
                 (model(torch.randn(4, 8)).square().mean()).backward()
             mon.step()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -272,7 +272,7 @@ def test_fused_amp_unscale_then_other_modes(mode):
             gradfuse.clip_grad_value_(ref.parameters(), 0.01)
         else:
             z_ref.step(ref)
-        for p, q, u in zip(model.parameters(), ref.parameters(), unscaled):
+        for p, q, _ in zip(model.parameters(), ref.parameters(), unscaled):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8)
         assert any(not torch.equal(q.grad, u) for q, u in zip(ref.parameters(), unscaled))  # clipped
         for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):

@@ -140,7 +140,7 @@ def gen_parameters(scalar, grad_only_one_elem, prefix_finite_grad_param):
 
 def run_case(clip, norm_type, error_if_nonfinite, scalar, grad_only_one_elem,
              prefix_finite_grad_param, is_norm_nonfinite):
-    """torch's run_test_case with ``clip`` as the clip function; returns (total norm or None
+    """PyTorch's run_test_case with ``clip`` as the clip function; returns (total norm or None
     when it raised, the gradients after)."""
     parameters = gen_parameters(scalar, grad_only_one_elem, prefix_finite_grad_param)
     msg = (f"norm_type: {norm_type}, error_if_nonfinite: {error_if_nonfinite}, scalar: {scalar}, "

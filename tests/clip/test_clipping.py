@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradfuse
@@ -186,7 +188,7 @@ def test_clip_grad_value_matches_torch(dtype, foreach):
     assert sum(int((g.abs() <= clip).sum()) for g in before.values()) > 0
     gradfuse.clip_grad_value_((p for p in ours.parameters()), clip, foreach=foreach)  # a generator
     torch.nn.utils.clip_grad_value_(theirs.parameters(), clip, foreach=foreach)
-    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+    for (_, p), q in zip(ours.named_parameters(), theirs.parameters()):
         if p.grad is None:
             assert q.grad is None
             continue
@@ -339,7 +341,8 @@ def test_per_layer_zero_norm_as_torch_composes_it():
     gradfuse.clip_(m, 0.5, norm_type=0, per="layer")
     for n, h in zip(layer, holders):
         torch.testing.assert_close(dict(m.named_parameters())[n].grad, h.grad)
-    assert m.blocks[1].weight.grad.abs().sum() > 0 and not torch.equal(m.blocks[1].weight.grad, before["blocks.1.weight"])
+    assert m.blocks[1].weight.grad.abs().sum() > 0
+    assert not torch.equal(m.blocks[1].weight.grad, before["blocks.1.weight"])
 
 
 def test_clip_grad_value_foreach_error_as_torch():
@@ -367,9 +370,6 @@ def test_per_param_mixed_dtypes():
         expected = (b.double() * coef).to(b.dtype) if coef < 1 else b
         torch.testing.assert_close(p.grad, expected, **TOL[p.dtype])
     assert s.clipped.tolist().count(True) == 2
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=25, deadline=None)

@@ -1,12 +1,11 @@
 """PyTorch's FSDP2 clip_grad_norm_ test run on gradfuse (2 gloo ranks on CPU), with its
 CommDebugMode count of functional all-reduces; a 2-d (HSDP) mesh on 2 and 4 ranks; and the
 monitor's per-step collectives. See tests/clip/fsdp2_clip_workers.py."""
+import dist_workers
+import fsdp2_clip_workers
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import dist_workers
-import fsdp2_clip_workers
 from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradfuse
@@ -181,9 +183,6 @@ def test_bad_config():
                      ({"clip_factor": 0}, "clip_factor")):
         with pytest.raises(ValueError, match=word):
             gradfuse.ZClip(**kw)
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)  # no flaky boundary cases in CI

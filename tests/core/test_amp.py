@@ -33,7 +33,7 @@ def test_fused_matches_unscale_then_clip(max_norm, plant_inf):
     a = setup()
     b = copy.deepcopy(a)
     x = torch.randn(8, 16)
-    for model, opt, scaler in (a, b):
+    for model, _opt, scaler in (a, b):
         scaled_backward(model, scaler, x, plant_inf)
     # Reference: the documented two-pass order.
     model, opt, scaler = a
@@ -48,7 +48,7 @@ def test_fused_matches_unscale_then_clip(max_norm, plant_inf):
     torch.testing.assert_close(s.total_norm, ref_total, rtol=1e-5, atol=0, equal_nan=True)
     for pa, pb in zip(model.parameters(), model_b.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-9, equal_nan=True)
-    for model, opt, scaler in (a, b):
+    for _model, opt, scaler in (a, b):
         scaler.step(opt)
         scaler.update()
     assert scaler.get_scale() == scaler_b.get_scale()

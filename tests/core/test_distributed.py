@@ -1,13 +1,10 @@
 """Distributed statistics with torch.distributed on CPU (gloo), in 2 and 4 processes started
 here, against one process holding the full gradients and against torch's clip_grad_norm_."""
-import os
-
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dist_workers
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers import ListSink, NoFloat64
 
 import gradfuse
 from gradfuse.ops import library
-from helpers import ListSink, NoFloat64
 
 
 def _model(seed=0):

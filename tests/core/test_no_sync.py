@@ -9,12 +9,12 @@ CPU (csrc/watch.cpp, scale(): no sync there; it skips the walk when nothing need
 functional path, which the fast one hands over to, reads nothing."""
 import pytest
 import torch
+from sync_guard import HostSync, SyncGuard
 from torch import nn
 
 import gradfuse
 from gradfuse import GradMonitor
 from gradfuse.core.watch import GradWatch
-from sync_guard import HostSync, SyncGuard
 
 LOCAL_SCALAR = "aten._local_scalar_dense.default"
 MAX_NORM = 1.0

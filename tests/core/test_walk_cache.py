@@ -7,12 +7,13 @@ import weakref
 
 import pytest
 import torch
+from helpers import assert_same_stats, clone_named
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
-from gradfuse.core import params as api, walk_cache
-from helpers import assert_same_stats, clone_named
+from gradfuse.core import params as api
+from gradfuse.core import walk_cache
 
 pytestmark = pytest.mark.skipif(walk_cache._walk_class() is None,
                                 reason="gradfuse._C not built (or built without ListWalk)")

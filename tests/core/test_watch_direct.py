@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers import clone_named
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
 from gradfuse.core import watch as watch_mod
-from helpers import clone_named
 
 pytestmark = pytest.mark.skipif(watch_mod._param_watch_class() is None,
                                 reason="gradfuse._C not built (or built without ParamWatch)")

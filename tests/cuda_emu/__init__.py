@@ -1,7 +1,8 @@
 """The CUDA kernels of gradfuse, run on the CPU: builds (once, cached in build/cuda_emu/) a small
 torch extension that registers ``torch.ops.gradfuse_emu.*`` on CPU tensors, running the glue of
 ``csrc/cuda/ops.h`` and the kernels of ``csrc/cuda/kernels.cuh`` (on the launcher of
-``csrc/cuda/multi_tensor.cuh``) through the CUDA emulation of ``cuda_emu.h``. See "Testing the CUDA kernels without a GPU" in the README.
+``csrc/cuda/multi_tensor.cuh``) through the CUDA emulation of ``cuda_emu.h``. See "Testing the CUDA
+kernels without a GPU" in the README.
 
 Environment (read by :func:`load`):
   GRADFUSE_EMU_SANITIZE=1  build with -fsanitize=address,undefined (Python must then run with

@@ -38,6 +38,7 @@ def worker(rank, world, port, out_dir):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), HF_HUB_OFFLINE="1")
     warnings.simplefilter("ignore")
     from transformers import Trainer, TrainingArguments
+
     from gradfuse.integrations.transformers import attach
     model = Quadratic()
     g = torch.Generator().manual_seed(3)

@@ -109,7 +109,7 @@ def test_one_extra_pass_per_step_under_accumulation_none_without():
     mu, w, _ = quadratic_problem(8, 1.0, 1.0)
     mon = gradfuse.GradMonitor([("w", w)], every=0, noise_scale=True)
     passes = CountStatsPasses()
-    for step, k in enumerate([1, 1, 3, 3, 3]):
+    for k in [1, 1, 3, 3, 3]:
         w.grad = None
         for _ in range(k):
             (0.5 * (w - mu - torch.randn(2, 8)).square().sum(1).mean() / k).backward()
@@ -144,7 +144,7 @@ def test_skipped_steps_are_not_averaged_in():
                                on_nonfinite="skip")
     for poison in (False, True):
         w.grad = None
-        for m in range(2):
+        for _ in range(2):
             (0.5 * (w - mu - torch.randn(2, 8)).square().sum(1).mean() / 2).backward()
             mon.micro_step()
         if poison:

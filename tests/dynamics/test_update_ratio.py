@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.sinks import metrics
 from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
+from gradfuse.sinks import metrics
 
 
 class Net(nn.Module):

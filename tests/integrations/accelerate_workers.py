@@ -32,6 +32,7 @@ def worker(rank, world, port, out_dir, mixed_precision):
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     from accelerate import Accelerator
+
     import gradfuse
 
     accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE, mixed_precision=mixed_precision,

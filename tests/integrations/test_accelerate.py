@@ -14,9 +14,9 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-import gradfuse  # noqa: E402
-
 import accelerate_workers as W  # noqa: E402
+
+import gradfuse  # noqa: E402
 
 
 def free_port():
@@ -80,6 +80,7 @@ def test_attach_recognises_the_accelerated_optimizer():
     """Without processes: attach gates the AcceleratedOptimizer, passes its micro-steps through."""
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.state import AcceleratorState, GradientState
+
     from gradfuse.integrations.pytorch import accelerate_parts
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -129,7 +130,7 @@ def test_accelerate_scaler_is_taken_and_its_bookkeeping_kept():
         handle = gradfuse.attach(opt, model, max_norm=0.5, every=0, explode_threshold=1e6,
                                  on_explode="skip")
         assert handle.scaler is scaler and handle.monitor.scaler is scaler
-        for i, x in enumerate(batches):
+        for x in batches:
             scaler.scale(model(x).square().sum()).backward()
             opt.step()
             opt.zero_grad()

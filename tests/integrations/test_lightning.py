@@ -4,9 +4,10 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
-from gradfuse.integrations.lightning import GradfuseCallback  # noqa: E402
 import lightning_harness  # noqa: E402
 from lightning_harness import Probe, fit  # noqa: E402
+
+from gradfuse.integrations.lightning import GradfuseCallback  # noqa: E402
 
 MAX_NORM = 0.05
 
@@ -40,7 +41,8 @@ def test_planted_nan_is_skipped_and_logged():
     probe, cb = Probe(nan_batch=3), GradfuseCallback(max_norm=1.0)
     with pytest.warns(RuntimeWarning, match=r"step 3: optimizer step skipped: .*net\.2\.weight \(nan=1") as rec:
         trainer, _, logger = fit([probe, cb], log_every_n_steps=50)
-    assert [w.filename for w in rec if "skipped" in str(w.message)] == [lightning_harness.__file__]  # its trainer.fit() line
+    # the warning points at the harness's trainer.fit() line
+    assert [w.filename for w in rec if "skipped" in str(w.message)] == [lightning_harness.__file__]
     # Batch 3 changed nothing (parameters, AdamW moments and step count); the others did.
     assert probe.changed == [True, True, True, False, True, True, True, True]
     assert len(probe.stepped_grads) == 7

@@ -8,9 +8,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import TrainerCallback  # noqa: E402
+from transformers_harness import PlantNaN, make_trainer, tiny_gpt2, train  # noqa: E402
 
 from gradfuse.integrations.transformers import GradfuseCallback, attach  # noqa: E402
-from transformers_harness import PlantNaN, make_trainer, tiny_gpt2, train  # noqa: E402
 
 MAX_NORM = 0.05
 
@@ -132,8 +132,9 @@ def test_grad_scaler_overflow_and_skip_keep_the_scaler_consistent(tmp_path):
 
 def test_layers_of_gpt2_bert_t5_are_their_blocks():
     """The default grouping gives one row per transformer block, not one for all of them."""
-    import gradfuse
     from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    import gradfuse
     small = dict(vocab_size=64)
     models = {
         "gpt2": tiny_gpt2(),

@@ -1,10 +1,10 @@
 """One rank of tests/monitor/test_sink_ranks.py: a GradMonitor with a JSONL sink and a
 PrometheusSink per rank, under a 2-process gloo group."""
 import torch
+from gloo_checks import run_checks
 from torch import nn
 
 import gradfuse
-from gloo_checks import run_checks
 
 
 def train(rank, out_dir, name, **kw):

@@ -33,7 +33,7 @@ def records(steps=40, zero=0.004):
         spike, nan = step == SPIKE, step == NAN
         total = 2e6 if spike else math.nan if nan else 2.0 + 0.5 * math.sin(step)
         layers, exponents = {}, {}
-        for i, name in enumerate(LAYERS):
+        for name in LAYERS:
             l2 = total / 2 if math.isfinite(total) else math.nan
             layers[name] = {"l2": l2 if not (nan and name != "layers.1") else 1.0,
                             "zero_fraction": zero * (step % 3) / 2 if name == "layers.0" else 0.0}

@@ -5,15 +5,15 @@ import math
 
 import pytest
 import torch
+from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, frexp_histogram, random_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradfuse
 from gradfuse import headroom
-from gradfuse.ops import library
 from gradfuse import histogram as H
-from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, frexp_histogram, random_bits
+from gradfuse.ops import library
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 op = torch.ops.gradfuse.multi_tensor_exponent_histogram
@@ -164,7 +164,7 @@ def cast_reference(x: torch.Tensor, fmt: str, scale: float = 1.0) -> dict[str, f
 
 
 def binade_values(lo: int, hi: int, n: int, seed: int) -> torch.Tensor:
-    """n float64 values u * 2^e, e in [lo, hi], u in (1, 1.5]: no cast rounds them across a binade
+    """``n`` float64 values u * 2^e, e in [lo, hi], u in (1, 1.5]: no cast rounds them across a binade
     edge (see gradfuse.headroom: the slivers the exponent cannot see)."""
     g = torch.Generator().manual_seed(seed)
     e = torch.randint(lo, hi + 1, (n,), generator=g).double()

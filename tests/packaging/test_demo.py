@@ -1,5 +1,8 @@
 """The README's main job (the demo), on tiny sizes."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +74,13 @@ def test_demo_logs_the_exponent_heatmap_and_the_noise_scale(tmp_path, capsys):
 def test_info_command(capsys):
     assert main(["info"]) == 0
     assert '"torch_version"' in capsys.readouterr().out
+
+
+def test_help_speaks_to_users():
+    root = Path(__file__).resolve().parents[2]  # the checkout's gradfuse (-m puts the cwd first on the path)
+    out = subprocess.run([sys.executable, "-m", "gradfuse", "--help"], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    assert "Fused gradient statistics, clipping and monitoring for PyTorch" in out
+    assert "Layer:" not in out and "Imports any of gradfuse" not in out
+    for command in ("demo", "plot", "info"):
+        assert command in out

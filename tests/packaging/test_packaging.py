@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradfuse.ops import library
 from gradfuse.__main__ import main
+from gradfuse.ops import library
 
 ROOT = Path(__file__).resolve().parents[2]
 compiling = pytest.mark.skipif(os.environ.get("GRADFUSE_PACKAGING_TESTS") != "1",
@@ -55,7 +55,8 @@ def run(cmd, cwd, env=None, check=True) -> subprocess.CompletedProcess:
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
     return proc
 
 
@@ -76,8 +77,8 @@ def clone(tmp_path_factory) -> Path:
 def sdist(clone, tmp_path_factory) -> Path:
     """Made as `python -m build --sdist` makes it (setuptools' PEP 517 hook), with torch hidden."""
     out = tmp_path_factory.mktemp("sdist")
-    run([sys.executable, "-c", BLOCK_TORCH + f"from setuptools import build_meta; build_meta.build_sdist({str(out)!r})"],
-        cwd=clone)
+    run([sys.executable, "-c",
+         BLOCK_TORCH + f"from setuptools import build_meta; build_meta.build_sdist({str(out)!r})"], cwd=clone)
     (archive,) = out.glob("gradfuse-*.tar.gz")
     return archive
 

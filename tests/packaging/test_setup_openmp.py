@@ -1,6 +1,5 @@
 """setup.py builds with OpenMP where the C++ compiler takes -fopenmp, and without it where it does
 not (Apple clang): the branch forced here with GRADFUSE_OPENMP=0 and with a compiler that fails."""
-import os
 import sys
 from pathlib import Path
 
