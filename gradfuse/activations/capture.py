@@ -72,8 +72,9 @@ import torch
 from torch import nn
 
 from gradfuse import ops
-from gradfuse.core.grad_stats import GradStats, exponents_entry, layer_of, sum_by_key
-from gradfuse.ops.layout import INF, M2, NAN, NUM_BINS, SUM, SUMSQ, ZERO
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.layers import exponents_entry, layer_of, sum_by_key
+from gradfuse.ops.layout import INF, M2, NAN, NUM_BINS, NUM_COUNT_STATS, NUM_FLOAT_STATS, SUM, SUMSQ, ZERO
 
 ROOT_NAME = "(root)"
 _CHANNEL_MODULES = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm,
@@ -567,7 +568,7 @@ class ActivationCapture:
         if all(math.isfinite(t.sum().item()) for t in tensors):
             zeros = self._zero_counts.get(len(tensors))
             if zeros is None:  # shared: rows are only ever read through torch.cat (a copy)
-                zeros = self._zero_counts[len(tensors)] = torch.zeros((len(tensors), 4), dtype=torch.int64)
+                zeros = self._zero_counts[len(tensors)] = torch.zeros((len(tensors), NUM_COUNT_STATS), dtype=torch.int64)
             return None, zeros, None
         return None
 
@@ -681,8 +682,8 @@ class ActivationCapture:
         scope = "rank" if (torch.distributed.is_available() and torch.distributed.is_initialized()
                            and torch.distributed.get_world_size() > 1) else "all"
         if not events:
-            out = ActivationStats([], [], torch.zeros((0, 4), dtype=torch.float64),
-                                  torch.zeros((0, 4), dtype=torch.int64),
+            out = ActivationStats([], [], torch.zeros((0, NUM_FLOAT_STATS), dtype=torch.float64),
+                                  torch.zeros((0, NUM_COUNT_STATS), dtype=torch.int64),
                                   torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                                   scope)
             if self.histogram:
