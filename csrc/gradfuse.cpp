@@ -7,17 +7,19 @@
 
 #include "common/chunk_plan.h"
 #include "common/hist_math.h"
+#include "common/stats_math.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/hist_kernels.h"
 #include "generated/build_config.h"  // written by setup.py
 
 
 TORCH_LIBRARY(gradfuse, m) {
-  // Per tensor of one (device, dtype) group: float64 [n, 4] (sum, sum of squares, max |x|,
-  // sum |x|^norm_type when norm_type is not 0, 2 or inf) and int64 [n, 4] (NaN, Inf and zero
-  // counts, numel). One pass over the data; no host synchronisation.
+  // Per tensor of one (device, dtype) group: the statistics rows, float64 [n, kNumFloatStats] and
+  // int64 [n, kNumCountStats], columns as common/stats_math.h lays them out (GRADFUSE_FLOAT_STATS,
+  // GRADFUSE_COUNT_STATS; the power sum is sum |x|^norm_type when norm_type is not 0, 2 or inf).
+  // One pass over the data; no host synchronisation.
   m.def("multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
-  // The rows of multi_tensor_stats(tensors, 2) with column 3 (the power sum there) holding the
+  // The rows of multi_tensor_stats(tensors, 2) with the power sum's column (kPowSum) holding the
   // sum of squared deviations from the mean, sum (x - mean)^2, accumulated about a shift taken
   // from the data (common/stats_math.h): the variance without the cancellation of
   // sum x^2 - (sum x)^2 / n. Same single pass.
@@ -27,7 +29,7 @@ TORCH_LIBRARY(gradfuse, m) {
   // decision is taken on the device. conditional=False always multiplies (AMP unscale + clip).
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor coef, bool conditional=True) -> ()");
   // Clipping beyond one global norm: tensor i as units[i] equal consecutive blocks
-  // (common/unit_plan.h). Rows of multi_tensor_stats per unit, [sum(units), 4] each.
+  // (common/unit_plan.h). Rows of multi_tensor_stats per unit, sum(units) rows each.
   m.def("multi_tensor_unit_stats(Tensor[] tensors, int[] units, float norm_type) -> (Tensor, Tensor)");
   // Unit j of tensor i times its coefficient (coefs: 1-D, sum(units) entries, on the device);
   // conditional: a unit whose coefficient is >= 1 is not touched (decided on the device).
@@ -44,7 +46,8 @@ TORCH_LIBRARY(gradfuse, m) {
 }
 
 namespace gradfuse::watch {
-void bind_list_walk(pybind11::module_& m);  // csrc/watch.cpp: gradfuse.api's walk
+// csrc/watch.cpp: the list walk of gradfuse.core.walk_cache
+void bind_list_walk(pybind11::module_& m);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,6 +64,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
     d["chunk_elems"] = gradfuse::kChunkElems;
     d["histogram_bins"] = gradfuse::kNumHistBins;
+    // The statistics rows' column names, in order (gradfuse/ops/layout.py must agree).
+    pybind11::list float_stats, count_stats;
+#define GRADFUSE_NAME_OF(column, member, combine) #member,
+    for (const char* name : {GRADFUSE_FLOAT_STATS(GRADFUSE_NAME_OF)}) float_stats.append(name);
+    for (const char* name : {GRADFUSE_COUNT_STATS(GRADFUSE_NAME_OF) "numel"}) count_stats.append(name);
+#undef GRADFUSE_NAME_OF
+    d["stats_layout"] = pybind11::make_tuple(float_stats, count_stats);
     d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
 #ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
     d["histogram_avx512"] = gradfuse::cpu::histogram_avx512_available();

@@ -352,7 +352,7 @@ class ParamWatch : public torch::CustomClassHolder {
   at::ScalarType result_dtype_{at::kFloat};
 };
 
-// The functional calls' walk (gradfuse/walk_cache.py): a plan made from an earlier call on a
+// The functional calls' walk (gradfuse/core/walk_cache.py): a plan made from an earlier call on a
 // list of parameters or (name, parameter) pairs, and each call's items read from the caller's
 // list here, in C++, instead of Python building names, parameters and gradients lists. The plan
 // keeps no tensor: a ParamWatch whose parameters are the call's items while it runs (so a cached
@@ -363,7 +363,7 @@ class ParamWatch : public torch::CustomClassHolder {
 class __attribute__((visibility("hidden"))) ListWalk {
  public:
   // names[i]: the name of item i when it is a (name, parameter) pair, None when it is a tensor
-  // (named "[i]" by gradfuse.api); types: the exact parameter types taken.
+  // (named "[i]" by gradfuse.core.params); types: the exact parameter types taken.
   ListWalk(pybind11::list names, pybind11::tuple types)
       : names_(std::move(names)), types_(std::move(types)),
         watch_(c10::make_intrusive<ParamWatch>(std::vector<at::Tensor>())) {}

@@ -7,7 +7,7 @@ instructions and a 4-byte element ~28 before the kernel is compute-bound; the bu
 a margin under that. This script disassembles the sm_90 SASS of a build (cuobjdump, from the pip
 package nvidia-cuda-cuobjdump or a CUDA toolkit), finds the steady-state loop of every
 instantiation of the stats kernel (multi_tensor_kernel<StatsOp<dtype, mode>, whole-tensor table>
-of csrc/cuda/kernels.cuh; stats_kernel in older builds) itself, and prints instructions per element:
+of csrc/cuda/stats_ops.cuh) itself, and prints instructions per element:
 
   a loop = a backward branch and the instructions from its target up to it. The streaming loops
   are those with 16-byte global loads that hold no other such loop. The kernel streams its chunk

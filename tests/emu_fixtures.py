@@ -9,6 +9,7 @@ import pytest
 import torch
 
 SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
+FMA = os.environ.get("GRADFUSE_EMU_FMA") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,20 @@ def rerun_under_sanitizers(test_file: str, timeout: int = 1800) -> None:
     # Uncaptured and unbuffered: a sanitizer aborts the process, losing what pytest holds.
     env = dict(cuda_emu.sanitizer_env(os.environ), PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-s", "-p", "no:randomly",
+                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cuda_emu.ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert " passed" in proc.stdout
+
+
+def rerun_with_fma(test_file: str, keyword: str, timeout: int = 900) -> None:
+    """Runs the tests of test_file selected by ``-k keyword`` again with the emulated backend built
+    with -mfma -ffp-contract=fast, as nvcc contracts a*b+c into an FMA by default."""
+    with open("/proc/cpuinfo") as f:
+        if " fma" not in f.read():
+            pytest.skip("this CPU has no FMA instructions")
+    env = dict(os.environ, GRADFUSE_EMU_FMA="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-k", keyword, "-p", "no:randomly",
                            "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cuda_emu.ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

@@ -190,13 +190,13 @@ inline UnitGroup scale_units_elsewhere_(at::TensorList tensors, at::IntArrayRef 
 
 // ---- From per-tensor rows to the total norm and the clip coefficient
 
-// The total norm of order p >= 0 over every tensor whose rows (floats [n, 4], counts [n, 4] of
+// The total norm of order p >= 0 over every tensor whose rows (floats, counts of
 // multi_tensor_stats) are given, in float64, op for op as gradfuse's Python side computes it
-// (api._norm_accumulator then api._root), so that both give the same bits. As torch.nn.utils
-// composes per-tensor norms: p = inf is the largest max |x| (NaN propagates; no rows: 0), p = 0
-// the count of tensors with a non-zero element (NaN counts as non-zero), other p the root of the
-// summed power sums (p = 2: of the sums of squares). The rows hold no minimum: negative orders
-// and -inf are not theirs to compute.
+// (gradfuse.core.norms: norm_accumulator then root), so that both give the same bits. As
+// torch.nn.utils composes per-tensor norms: p = inf is the largest max |x| (NaN propagates; no
+// rows: 0), p = 0 the count of tensors with a non-zero element (NaN counts as non-zero), other p
+// the root of the summed power sums (p = 2: of the sums of squares). The rows hold no minimum:
+// negative orders and -inf are not theirs to compute.
 inline at::Tensor total_norm(const at::Tensor& floats, const at::Tensor& counts, double p) {
   TORCH_CHECK(p >= 0.0, "gradfuse: the total norm from kernel rows needs norm_type >= 0, got ", p);
   if (p == 2.0) return floats.select(1, kSumSq).sum().sqrt();

@@ -36,12 +36,30 @@ inline PowMode pow_mode_for(double norm_type) {
   return PowMode::kPow;
 }
 
-// Columns of the float statistics, per chunk and per tensor. The rows of multi_tensor_moments
-// hold the sum of squared deviations from the mean (M2) in place of the power sum.
-enum FloatStat : int { kSum = 0, kSumSq = 1, kMaxAbs = 2, kPowSum = 3, kNumFloatStats = 4 };
-// Columns of the count statistics. Numel is not accumulated: the finalise step writes it, so
-// the per-tensor results carry everything the Python side needs without a host-to-device copy.
-enum CountStat : int { kNanCount = 0, kInfCount = 1, kZeroCount = 2, kNumel = 3, kNumCountStats = 4 };
+// The layout of the statistics rows, the one place the C++ side declares it (gradfuse/ops/layout.py
+// declares it for Python; build_info()["stats_layout"] lists these names, and a test checks one
+// against the other). X(column, StatsAcc member, how two partial rows combine: Add or NanMax).
+// Every row, partial or final, stores the members in this order; the CUDA warp reduction and the
+// partial rows of both backends go through StatsAcc, so a column added here reaches them all.
+// Adding a statistic: CONTRIBUTING.md, "Adding a statistic".
+#define GRADFUSE_FLOAT_STATS(X) \
+  X(kSum, sum, Add)             \
+  X(kSumSq, sumsq, Add)         \
+  X(kMaxAbs, maxabs, NanMax)    \
+  X(kPowSum, powsum, Add)
+// The accumulated counts; numel, the last count column, is written when a row is finished (so the
+// per-tensor results carry everything the Python side needs without a host-to-device copy).
+#define GRADFUSE_COUNT_STATS(X) \
+  X(kNanCount, nan, Add)        \
+  X(kInfCount, inf, Add)        \
+  X(kZeroCount, zero, Add)
+
+#define GRADFUSE_STATS_ENUM(column, member, combine) column,
+// The rows of multi_tensor_moments hold the sum of squared deviations from the mean (M2) in the
+// power sum's column.
+enum FloatStat : int { GRADFUSE_FLOAT_STATS(GRADFUSE_STATS_ENUM) kNumFloatStats };
+enum CountStat : int { GRADFUSE_COUNT_STATS(GRADFUSE_STATS_ENUM) kNumel, kNumCountStats };
+#undef GRADFUSE_STATS_ENUM
 
 // max that propagates NaN from either side, like torch.max and vector_norm(ord=inf);
 // fmaxf would silently drop it.
@@ -50,36 +68,79 @@ C10_HOST_DEVICE inline T nan_max(T a, T b) {
   return (a > b || a != a) ? a : b;
 }
 
+// a * b rounded to acc_t, never contracted with a following add into an FMA (see finish_moments).
+template <typename T>
+C10_HOST_DEVICE inline T mul_rn(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, double>) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
+#else
+  volatile T product = a * b;  // a store the compiler must keep: the add cannot absorb the product
+  return product;
+#endif
+}
+
+// How two partial rows combine, per column (the third entry of the tables above).
+template <typename T>
+C10_HOST_DEVICE inline T combine_Add(T a, T b) {
+  return a + b;
+}
+template <typename T>
+C10_HOST_DEVICE inline T combine_NanMax(T a, T b) {
+  return nan_max(a, b);
+}
+
+// A reduced row (chunk, unit or tensor): one member per column of the tables above.
 template <typename acc_t>
 struct StatsAcc {
-  acc_t sum = 0;
-  acc_t sumsq = 0;
-  acc_t maxabs = 0;
-  acc_t powsum = 0;
-  int64_t nan = 0;
-  int64_t inf = 0;
-  int64_t zero = 0;
+#define GRADFUSE_FLOAT_MEMBER(column, member, combine) acc_t member = 0;
+#define GRADFUSE_COUNT_MEMBER(column, member, combine) int64_t member = 0;
+  GRADFUSE_FLOAT_STATS(GRADFUSE_FLOAT_MEMBER)
+  GRADFUSE_COUNT_STATS(GRADFUSE_COUNT_MEMBER)
+#undef GRADFUSE_FLOAT_MEMBER
+#undef GRADFUSE_COUNT_MEMBER
 
   template <typename other_t>
   C10_HOST_DEVICE inline void combine(const StatsAcc<other_t>& o) {
-    sum += acc_t(o.sum);
-    sumsq += acc_t(o.sumsq);
-    maxabs = nan_max(maxabs, acc_t(o.maxabs));
-    powsum += acc_t(o.powsum);
-    nan += o.nan;
-    inf += o.inf;
-    zero += o.zero;
+#define GRADFUSE_COMBINE_FLOAT(column, member, combine) member = combine_##combine(member, acc_t(o.member));
+#define GRADFUSE_COMBINE_COUNT(column, member, combine) member = combine_##combine(member, o.member);
+    GRADFUSE_FLOAT_STATS(GRADFUSE_COMBINE_FLOAT)
+    GRADFUSE_COUNT_STATS(GRADFUSE_COMBINE_COUNT)
+#undef GRADFUSE_COMBINE_FLOAT
+#undef GRADFUSE_COMBINE_COUNT
   }
 
-  // Layout of one row of the partial / result tensors.
+  // One row of the partial / result tensors (numel is the caller's).
   C10_HOST_DEVICE inline void store(acc_t* floats, int64_t* counts) const {
-    floats[kSum] = sum;
-    floats[kSumSq] = sumsq;
-    floats[kMaxAbs] = maxabs;
-    floats[kPowSum] = powsum;
-    counts[kNanCount] = nan;
-    counts[kInfCount] = inf;
-    counts[kZeroCount] = zero;
+#define GRADFUSE_STORE_FLOAT(column, member, combine) floats[column] = member;
+#define GRADFUSE_STORE_COUNT(column, member, combine) counts[column] = member;
+    GRADFUSE_FLOAT_STATS(GRADFUSE_STORE_FLOAT)
+    GRADFUSE_COUNT_STATS(GRADFUSE_STORE_COUNT)
+#undef GRADFUSE_STORE_FLOAT
+#undef GRADFUSE_STORE_COUNT
+  }
+
+  C10_HOST_DEVICE static inline StatsAcc load(const acc_t* floats, const int64_t* counts) {
+    StatsAcc s;
+#define GRADFUSE_LOAD_FLOAT(column, member, combine) s.member = floats[column];
+#define GRADFUSE_LOAD_COUNT(column, member, combine) s.member = counts[column];
+    GRADFUSE_FLOAT_STATS(GRADFUSE_LOAD_FLOAT)
+    GRADFUSE_COUNT_STATS(GRADFUSE_LOAD_COUNT)
+#undef GRADFUSE_LOAD_FLOAT
+#undef GRADFUSE_LOAD_COUNT
+    return s;
+  }
+
+  // f(member) for every member, in column order (the CUDA warp shuffle).
+  template <typename F>
+  C10_HOST_DEVICE inline void for_each(F&& f) {
+#define GRADFUSE_VISIT(column, member, combine) f(member);
+    GRADFUSE_FLOAT_STATS(GRADFUSE_VISIT)
+    GRADFUSE_COUNT_STATS(GRADFUSE_VISIT)
+#undef GRADFUSE_VISIT
   }
 
   // Pass 2's result: a NaN anywhere makes max |x| NaN, as torch's max and vector_norm(inf) do.
@@ -91,23 +152,17 @@ struct StatsAcc {
 
   // kMoments, once per tensor, on its combined row (acc_t double): sum (of x - shift) becomes
   // the sum of x, powsum (of (x - shift)^2) the sum of squared deviations from the mean.
+  // The products are rounded on their own (mul_rn), so that the result does not depend on whether
+  // the compiler contracts a*b+c into an FMA (nvcc does by default, g++ on an FMA target). Finite
+  // data whose squared deviations overflow keeps the +Inf a float64 two-pass gives: for
+  // [1, 2, 1e300] the product overflows too, and Inf - Inf would be NaN. (A NaN or Inf element
+  // makes the row NaN, as it makes torch.var NaN.)
   C10_HOST_DEVICE inline void finish_moments(acc_t shift, int64_t n) {
     if (n == 0) return;
-    const acc_t m2 = powsum - sum * (sum / acc_t(n));
+    const bool overflowed = powsum == acc_t(INFINITY) && nan == 0 && inf == 0;
+    const acc_t m2 = overflowed ? powsum : powsum - mul_rn(sum, sum / acc_t(n));
     powsum = m2 > acc_t(0) ? m2 : (m2 == m2 ? acc_t(0) : m2);  // rounding can leave a tiny negative
-    sum += acc_t(n) * shift;
-  }
-
-  C10_HOST_DEVICE static inline StatsAcc load(const acc_t* floats, const int64_t* counts) {
-    StatsAcc s;
-    s.sum = floats[kSum];
-    s.sumsq = floats[kSumSq];
-    s.maxabs = floats[kMaxAbs];
-    s.powsum = floats[kPowSum];
-    s.nan = counts[kNanCount];
-    s.inf = counts[kInfCount];
-    s.zero = counts[kZeroCount];
-    return s;
+    sum += mul_rn(acc_t(n), shift);
   }
 };
 

@@ -1,6 +1,7 @@
 // Per-item CPU kernels of the clipping ops, compiled once per instruction set: included
-// by kernels_default.cpp / kernels_avx2.cpp after kernels_impl.h, whose chunk reductions
-// (reduce_vectorized, count_nonfinite: the two passes of stats_math.h) they reuse per unit.
+// by stats_clip_kernels_default.cpp / stats_clip_kernels_avx2.cpp after stats_kernels_impl.h, whose
+// chunk reductions (reduce_vectorized, count_nonfinite: the two passes of stats_math.h) and scale
+// loop (scale_span) they reuse per unit.
 #pragma once
 
 #include "../common/clip_math.h"
@@ -47,26 +48,6 @@ void unit_stats_dispatch(const UnitArgs& args, PowMode mode, double p, int64_t b
     case PowMode::kPow: return unit_stats_typed<scalar_t, PowMode::kPow>(args, p, begin, end, f, cp);
     case PowMode::kMoments: break;  // whole tensors only (multi_tensor_moments)
   }
-}
-
-// x[0, n) *= c, vectorised as scale_chunks; the tail with scale_element.
-template <typename scalar_t>
-void scale_span(scalar_t* x, int64_t n, acc_of<scalar_t> c) {
-  using acc_t = acc_of<scalar_t>;
-  using VA = Vectorized<acc_t>;
-  const VA cv(c);
-  int64_t i = 0;
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    for (; i + VA::size() <= n; i += VA::size()) (VA::loadu(x + i) * cv).store(x + i);
-  } else {
-    constexpr int64_t kStep = Vectorized<scalar_t>::size();
-    for (; i + kStep <= n; i += kStep) {
-      VA lo, hi;
-      at::vec::load_to_float<scalar_t>(x + i, lo, hi);
-      at::vec::convert_from_float<scalar_t>(lo * cv, hi * cv).store(x + i);
-    }
-  }
-  for (; i < n; ++i) x[i] = scale_element<scalar_t, acc_t>(x[i], c);
 }
 
 template <typename scalar_t>
@@ -173,11 +154,8 @@ StatsAcc<float> clamp_16bit(scalar_t* x, int64_t n, uint16_t bound_bits, int64_t
     changed_lanes = _mm256_sub_epi16(changed_lanes, over);
     __m256 lo, hi;
     widen16<scalar_t>(v, lo, hi);
-    const VA l(lo), h(hi);
-    r0.sum = r0.sum + l;
-    r0.sumsq = at::vec::fmadd(l, l, r0.sumsq);
-    r1.sum = r1.sum + h;
-    r1.sumsq = at::vec::fmadd(h, h, r1.sumsq);
+    add_sums<PowMode::kNone>(r0, VA(lo), zeros_v);
+    add_sums<PowMode::kNone>(r1, VA(hi), zeros_v);
     return _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_and_si256(v, sign_mask), bound), over);
   };
   int64_t i = 0;
@@ -207,13 +185,7 @@ StatsAcc<float> clamp_16bit(scalar_t* x, int64_t n, uint16_t bound_bits, int64_t
   top.template add<PowMode::kNone>(mid, no_sums);
   fold_counts();
   StatsAcc<float> s;
-  float b_sum[VA::size()], b_sq[VA::size()];
-  top.sum.store(b_sum);
-  top.sumsq.store(b_sq);
-  for (int k = 0; k < VA::size(); ++k) {  // in lane order
-    s.sum += b_sum[k];
-    s.sumsq += b_sq[k];
-  }
+  top.template fold_into<PowMode::kNone>(s);
   alignas(32) uint16_t b_max[kStep];
   _mm256_store_si256(reinterpret_cast<__m256i*>(b_max), max_bits);
   uint16_t max_abs_bits = 0;

@@ -4,7 +4,7 @@
 
 #include <cstdlib>
 
-#include "kernels.h"
+#include "stats_kernels.h"
 
 namespace gradfuse::cpu {
 namespace {

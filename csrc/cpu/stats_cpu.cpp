@@ -12,7 +12,7 @@
 
 #include "../common/engine.h"
 #include "cpu_capability.h"
-#include "kernels.h"
+#include "stats_kernels.h"
 #include "stats_cpu.h"
 
 namespace gradfuse::cpu {

@@ -1,6 +1,7 @@
 // The multi-tensor launcher of the CUDA backend: one launch table, one kernel template and one
-// traversal of a tensor's elements, serving every op through a functor (kernels.cuh), as apex's
-// multi_tensor_apply and PyTorch's MultiTensorApply do. Free of ATen.
+// traversal of a tensor's elements, serving every op through a functor (stats_ops.cuh,
+// clip_ops.cuh, hist_ops.cuh), as apex's multi_tensor_apply and PyTorch's MultiTensorApply do.
+// Free of ATen.
 //
 // The same text is compiled by nvcc for the GPU (the .cu files add the ATen glue of ops.h:
 // checks, allocation, device guard, stream) and by g++ under the CUDA emulation of
@@ -121,24 +122,18 @@ __device__ inline int64_t result_row(const Table& table, const UnitItem& it) {
   }
 }
 
-// One block per item of the table: Op streams it (kernels.cuh).
+// One block per item of the table: Op streams it (the functors of *_ops.cuh).
 template <typename Op, typename Table>
 __global__ void __launch_bounds__(kThreads)
 multi_tensor_kernel(const __grid_constant__ Table table, const Op op) {
   op(table, locate(table, table.first_item[0] + blockIdx.x));
 }
 
+// Every column of the lane delta places down (StatsAcc::for_each visits them in column order).
 template <typename acc_t>
-__device__ inline StatsAcc<acc_t> shfl_down(const StatsAcc<acc_t>& s, int delta) {
-  StatsAcc<acc_t> o;
-  o.sum = __shfl_down_sync(0xffffffffu, s.sum, delta);
-  o.sumsq = __shfl_down_sync(0xffffffffu, s.sumsq, delta);
-  o.maxabs = __shfl_down_sync(0xffffffffu, s.maxabs, delta);
-  o.powsum = __shfl_down_sync(0xffffffffu, s.powsum, delta);
-  o.nan = __shfl_down_sync(0xffffffffu, s.nan, delta);
-  o.inf = __shfl_down_sync(0xffffffffu, s.inf, delta);
-  o.zero = __shfl_down_sync(0xffffffffu, s.zero, delta);
-  return o;
+__device__ inline StatsAcc<acc_t> shfl_down(StatsAcc<acc_t> s, int delta) {
+  s.for_each([delta](auto& member) { member = __shfl_down_sync(0xffffffffu, member, delta); });
+  return s;
 }
 
 // Fixed-shape tree over the warp: lane 0 ends with the result, the same every run.

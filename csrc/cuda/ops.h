@@ -1,6 +1,7 @@
 // The ATen side of the CUDA ops (input checks, allocation, device guard, stream) around the
-// launches of kernels.cuh, written once for two devices: the GPU (the .cu files) and the CUDA
-// emulation that runs the same kernels on CPU tensors in the tests (tests/cuda_emu). A Device
+// launches of stats_ops.cuh, clip_ops.cuh and hist_ops.cuh, written once for two devices: the GPU
+// (the .cu files) and the CUDA emulation that runs the same kernels on CPU tensors in the tests
+// (tests/cuda_emu). A Device
 // supplies:
 //   kType            the tensors' device type
 //   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp
@@ -20,7 +21,9 @@
 #include <vector>
 
 #include "../common/engine.h"
-#include "kernels.cuh"
+#include "clip_ops.cuh"
+#include "hist_ops.cuh"
+#include "stats_ops.cuh"
 
 namespace gradfuse::cuda {
 

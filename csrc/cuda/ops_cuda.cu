@@ -1,6 +1,6 @@
 // CUDA implementations of the gradfuse ops: the ATen glue of ops.h around the kernels of
-// kernels.cuh, on the GPU's Device (gpu_device.h). Both headers also run on the CPU, on CPU
-// tensors, in the emulated tests (tests/cuda_emu). One translation unit, so that every kernel is
+// stats_ops.cuh, clip_ops.cuh and hist_ops.cuh, on the GPU's Device (gpu_device.h). All of these
+// also run on the CPU, on CPU tensors, in the emulated tests (tests/cuda_emu). One translation unit, so that every kernel is
 // instantiated once. Nothing here waits for the host.
 #include <torch/library.h>
 

@@ -77,6 +77,7 @@ from gradfuse import ops
 from gradfuse.activations.dead_units import unit_activity_rows, unit_dim
 from gradfuse.activations.stats import ActivationStats, HookRows, activation_stats
 from gradfuse.activations.trace import describe_origin, nonfinite_origin
+from gradfuse.ops.layout import NUM_COUNT_STATS
 
 ROOT_NAME = "(root)"
 _MAX_DEPTH = 4  # how deep nested outputs (tuples of tuples, ...) are looked into
@@ -292,7 +293,8 @@ class ActivationCapture:
         if all(math.isfinite(t.sum().item()) for t in tensors):
             zeros = self._zero_counts.get(len(tensors))
             if zeros is None:  # shared: rows are only ever read through torch.cat (a copy)
-                zeros = self._zero_counts[len(tensors)] = torch.zeros((len(tensors), 4), dtype=torch.int64)
+                zeros = torch.zeros((len(tensors), NUM_COUNT_STATS), dtype=torch.int64)
+                self._zero_counts[len(tensors)] = zeros
             return None, zeros, None
         return None
 

@@ -11,8 +11,9 @@ import math
 import torch
 
 from gradfuse.activations.dead_units import dead_counts
-from gradfuse.core.grad_stats import GradStats, exponents_entry, layer_of, sum_by_key
-from gradfuse.ops.layout import M2, NUM_BINS, SUM, SUMSQ
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.layers import exponents_entry, layer_of, sum_by_key
+from gradfuse.ops.layout import M2, NUM_BINS, NUM_COUNT_STATS, NUM_FLOAT_STATS, SUM, SUMSQ
 
 
 def merged_m2(rows: list[tuple[int, float, float]]) -> float:
@@ -201,8 +202,8 @@ def activation_stats(events: list[HookRows], histogram: bool) -> ActivationStats
     scope = "rank" if (torch.distributed.is_available() and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size() > 1) else "all"
     if not events:
-        out = ActivationStats([], [], torch.zeros((0, 4), dtype=torch.float64),
-                              torch.zeros((0, 4), dtype=torch.int64),
+        out = ActivationStats([], [], torch.zeros((0, NUM_FLOAT_STATS), dtype=torch.float64),
+                              torch.zeros((0, NUM_COUNT_STATS), dtype=torch.int64),
                               torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                               scope)
         if histogram:

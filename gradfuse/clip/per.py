@@ -10,7 +10,8 @@ import torch
 
 from gradfuse import ops
 from gradfuse.core import distributed, grouping
-from gradfuse.core.grad_stats import GradStats, layer_of
+from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.layers import layer_of
 from gradfuse.core.norms import clip_coefficient, root, row_accumulators
 
 PER_MODES = (None, "param", "layer")

@@ -23,6 +23,7 @@ from gradfuse.core.engine import fused_stats, scale_to_max_norm
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.norms import clip_coefficient, norm_accumulator, root
 from gradfuse.core.params import check_max_norm, check_norm_type
+from gradfuse.ops.layout import FLOAT_COLUMNS
 
 
 def _optimizer_state(scaler, optimizer) -> dict:
@@ -67,7 +68,9 @@ def unscaled_stats(names, grads, scaler, norm_type: float) -> tuple[GradStats, t
     one = torch.ones((), dtype=s.floats.dtype, device=dev)
     p = norm_type
     pow_factor = inv.pow(p) if p not in (0.0, 2.0) and not math.isinf(p) else one
-    floats = s.floats * torch.stack([inv, inv * inv, inv, pow_factor])  # SUM, SUMSQ, MAXABS, POWSUM
+    factor = {1: inv, 2: inv * inv, "p": pow_factor}  # by each column's degree in the data
+    floats = s.floats * torch.stack([factor[c.degree] if c.degree in factor else inv.pow(c.degree)
+                                     for c in FLOAT_COLUMNS])
     # From the float64 rows, not from s.total_norm: that is in the gradients' dtype, where a
     # scaled fp16 norm can overflow.
     total = root(norm_accumulator(floats, s.counts, p), p).to(s.total_norm.dtype)

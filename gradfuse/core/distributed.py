@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from gradfuse.ops.layout import MAXABS, NAN, POWSUM, SUM, SUMSQ
+from gradfuse.ops.layout import MAX_FLOAT_COLUMNS, NAN, POWSUM, SUMMED_FLOAT_COLUMNS
 
 
 def is_plain(t: torch.Tensor) -> bool:
@@ -80,24 +80,23 @@ def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, star
     mesh, dims = layout
     f, c = floats[start:stop], counts[start:stop]
     min_column = norm_type == -math.inf
-    sums = torch.cat([f[:, SUM:SUMSQ + 1], f[:, POWSUM:POWSUM + 1], c.to(f.dtype)], dim=1)
-    maxes = torch.stack([f[:, MAXABS], -f[:, POWSUM]], dim=1) if min_column else f[:, MAXABS].contiguous()
+    summed, maxed = list(SUMMED_FLOAT_COLUMNS), list(MAX_FLOAT_COLUMNS)  # as the layout combines them
+    sums = torch.cat([f[:, summed], c.to(f.dtype)], dim=1)
+    maxes = torch.cat([f[:, maxed], -f[:, POWSUM:POWSUM + 1]], dim=1) if min_column else f[:, maxed]
     for d in dims:  # reducing over each sharded dimension in turn reduces over their product
         group = mesh.get_group(mesh_dim=d)
         works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
                  dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         for w in works:
             w.wait()
-    c_out = sums[:, 3:].round().to(torch.int64)
+    c_out = sums[:, len(summed):].round().to(torch.int64)
     # A backend's MAX may drop NaN; the summed NaN count puts it back.
-    has_nan = c_out[:, NAN] > 0
+    has_nan = c_out[:, NAN:NAN + 1] > 0
+    f_out = torch.empty_like(f)
+    f_out[:, summed] = sums[:, :len(summed)]
+    f_out[:, maxed] = torch.where(has_nan, math.nan, maxes[:, :len(maxed)])
     if min_column:
-        maxabs = torch.where(has_nan, math.nan, maxes[:, 0])
-        powsum = torch.where(has_nan, math.nan, -maxes[:, 1])
-    else:
-        maxabs = torch.where(has_nan, torch.full_like(maxes, math.nan), maxes)
-        powsum = sums[:, 2]
-    f_out = torch.stack([sums[:, 0], sums[:, 1], maxabs, powsum], dim=1)
+        f_out[:, POWSUM] = torch.where(has_nan[:, 0], math.nan, -maxes[:, -1])
     return f_out, c_out
 
 

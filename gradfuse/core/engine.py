@@ -14,7 +14,7 @@ from gradfuse.core import distributed, grouping, sharded, slow_paths
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.norms import clip_coefficient, kernel_takes_order, norm_accumulator, norm_dtype, root
 from gradfuse.core.params import SUPPORTED_DTYPES, check_tensors
-from gradfuse.ops.layout import INF, NAN
+from gradfuse.ops.layout import INF, NAN, NUM_COUNT_STATS, NUM_FLOAT_STATS
 
 
 def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
@@ -34,8 +34,8 @@ def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
     if distributed.may_have_dtensors(tensors):
         locals_, layouts, dtensor_spec = sharded.split_dtensors(names, tensors, norm_type)
     if not tensors and group is None:
-        return GradStats([], torch.empty((0, 4), dtype=ops.stats_dtype("cpu")),
-                         torch.empty((0, 4), dtype=torch.int64), norm_type, torch.tensor(0.0))
+        return GradStats([], torch.empty((0, NUM_FLOAT_STATS), dtype=ops.stats_dtype("cpu")),
+                         torch.empty((0, NUM_COUNT_STATS), dtype=torch.int64), norm_type, torch.tensor(0.0))
     device = locals_[0].device if tensors else torch.device("cpu")
     whole_result = None
     if locals_ and not any(layouts) and kernel_takes_order(norm_type):
@@ -64,8 +64,8 @@ def fused_stats(names: list[str], tensors: list[torch.Tensor], norm_type: float,
         floats = floats[0] if len(floats) == 1 else torch.cat(floats)
         counts = counts[0] if len(counts) == 1 else torch.cat(counts)
     else:  # a rank with no gradients still joins the group's collective
-        floats = torch.zeros((0, 4), dtype=ops.stats_dtype(device), device=device)
-        counts = torch.zeros((0, 4), dtype=torch.int64, device=device)
+        floats = torch.zeros((0, NUM_FLOAT_STATS), dtype=ops.stats_dtype(device), device=device)
+        counts = torch.zeros((0, NUM_COUNT_STATS), dtype=torch.int64, device=device)
     pending_rows = None
     if any(layout is not None for layout, _, _ in segments):
         if rows or group is not None or not sharded.total_only_takes(norm_type):

@@ -1,20 +1,54 @@
 """GradStats: the per-parameter gradient statistics of one step, kept on the device.
 
-Layer: core. Imports ``gradfuse.ops.layout`` and the core's distributed.
+Layer: core. Imports ``gradfuse.ops.layout`` and the core's distributed and layers.
 """
 from __future__ import annotations
 
 import html
 import math
+from typing import NamedTuple
 
 import torch
 
 from gradfuse.core.distributed import as_dtensor
+from gradfuse.core.layers import columns_to_host, layer_of
 from gradfuse.ops.layout import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
 
 
-PER_PARAM_FIELDS = ("numel", "l2", "linf", "mean", "nan_count", "inf_count", "zero_count",
-                    "zero_fraction")
+class Statistic(NamedTuple):
+    """A per-row statistic of ``GradStats``: a property of that name, a key of each row of
+    ``to_dict()`` (and of the monitor's records), and a column of ``table()``.
+
+    Attributes:
+        name: The property and the key.
+        count: An int64 count (read as ``int``), else a float64 value.
+        header: Its column's heading in ``table()``; None: not shown there.
+        width: The column's width in ``table()``.
+        spec: The format of a cell after the width (``".4g"``).
+        scale: A cell shows the value times this (100 for a percentage).
+    """
+
+    name: str
+    count: bool
+    header: str | None = None
+    width: int = 0
+    spec: str = ""
+    scale: float = 1.0
+
+
+# The per-row statistics, in the order of to_dict's rows (and of the records' "params"). Adding one:
+# a property of GradStats below computing it from the rows (gradfuse.ops.layout), and its entry here.
+STATISTICS: tuple[Statistic, ...] = (
+    Statistic("numel", True, "numel", 10),
+    Statistic("l2", False, "l2", 10, ".4g"),
+    Statistic("linf", False, "linf", 10, ".4g"),
+    Statistic("mean", False, "mean", 11, ".3e"),
+    Statistic("nan_count", True, "nan", 6),
+    Statistic("inf_count", True, "inf", 6),
+    Statistic("zero_count", True),
+    Statistic("zero_fraction", False, "zero%", 6, ".1f", 100.0),
+)
+PER_PARAM_FIELDS = tuple(st.name for st in STATISTICS)
 
 
 class GradStats:
@@ -98,14 +132,14 @@ class GradStats:
         self.scope = "rank" if group_nonfinite is not None else "all"
         self._group_nonfinite = group_nonfinite
         self.norm_type = norm_type
-        # _total: a plain tensor, the full value on every rank; what gradfuse computes with.
+        # A plain tensor, the full value on every rank; what gradfuse computes with.
         self.plain_total_norm = total_norm
         self.dtensor_spec = dtensor_spec
         self.total_norm = total_norm if dtensor_spec is None else as_dtensor(total_norm, dtensor_spec)
         self.clip_coef = clip_coef
         self.max_norm = max_norm
-        self._rows_f = floats  # [n, 4] float64, columns as in gradfuse.ops.layout
-        self._rows_c = counts  # [n, 4] int64
+        self._rows_f = floats  # float64 rows, columns as gradfuse.ops.layout's FLOAT_COLUMNS
+        self._rows_c = counts  # int64 rows, columns as its COUNT_COLUMNS
         # DTensor gradients whose total norm alone was reduced (gradfuse.core.sharded): rows of this
         # rank's shards, reduced over the mesh when first read (a collective on every rank).
         self._pending_rows = pending_rows
@@ -113,13 +147,15 @@ class GradStats:
         self._derived: dict = {}  # statistics computed from the rows, once each (_memo)
 
     def _memo(self, key: str, compute):
-        """``compute()``, once per object. (functools.cached_property takes a lock that
-        torch.compile cannot trace.)"""
+        """``compute()``, once per object.
+
+        (functools.cached_property takes a lock that torch.compile cannot trace.)
+        """
         if key not in self._derived:
             self._derived[key] = compute()
         return self._derived[key]
 
-    def replace(self, **changes) -> "GradStats":
+    def replace(self, **changes) -> GradStats:
         """A copy with some constructor arguments changed (the derived values are recomputed)."""
         args = dict(names=self.names, floats=self._rows_f, counts=self._rows_c,
                     norm_type=self.norm_type, total_norm=self.plain_total_norm, clip_coef=self.clip_coef,
@@ -136,7 +172,7 @@ class GradStats:
 
     @property
     def floats(self) -> torch.Tensor:
-        """The fused op's float64 ``[n, 4]`` rows (columns as ``gradfuse.ops.layout``)."""
+        """The fused op's float64 rows, one per name (columns: ``gradfuse.ops.layout.FLOAT_COLUMNS``)."""
         if self._pending_rows is not None:
             self._rows_f, self._rows_c = self._pending_rows.get()
             self._pending_rows = None
@@ -144,9 +180,9 @@ class GradStats:
 
     @property
     def counts(self) -> torch.Tensor:
-        """The fused op's int64 ``[n, 4]`` rows (NaN, Inf, zero counts, numel)."""
+        """The fused op's int64 rows: NaN, Inf, zero counts, numel (``gradfuse.ops.layout.COUNT_COLUMNS``)."""
         if self._pending_rows is not None:
-            self.floats  # reduces both
+            _ = self.floats  # reduces both
         return self._rows_c
 
     # Per-parameter statistics, derived lazily from the fused results (small device ops).
@@ -256,21 +292,23 @@ class GradStats:
             extra = [self.clip_coef] if per_row else []
             extra += [self.clamped] if self.clamped is not None and exact else []
             scalars += [x.to(dev, fdt).reshape(-1) for x in extra]
-            cols = [self.l2, self.linf, self.mean, self.zero_fraction]
-            count_cols = [self.numel, self.nan_count, self.inf_count, self.zero_count]
-            if exact:
-                cols += [c.to(fdt) for c in count_cols]
+            floats = [st.name for st in STATISTICS if not st.count]
+            ints = [st.name for st in STATISTICS if st.count]
+            # float64 holds every count exactly: one transfer for all of them
+            names = floats + ints if exact else floats
+            cols = [getattr(self, name).to(fdt) for name in names]
             packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
             width = len(cols)
-            rows = [packed[i * width:(i + 1) * width] for i in range(n)]
+            rows = [dict(zip(names, packed[i * width:(i + 1) * width])) for i in range(n)]
             clamped = None
             if not exact:
-                ints = torch.stack(count_cols, 1)
+                int_rows = torch.stack([getattr(self, name) for name in ints], 1)
                 if self.clamped is not None:
-                    ints = torch.cat([ints, self.clamped.to(ints.device).reshape(-1, 1)], 1)
-                ints = ints.cpu().tolist()
-                rows = [r + i[:4] for r, i in zip(rows, ints)]
-                clamped = [i[4] for i in ints] if self.clamped is not None else None
+                    int_rows = torch.cat([int_rows, self.clamped.to(int_rows.device).reshape(-1, 1)], 1)
+                int_rows = int_rows.cpu().tolist()
+                for r, i in zip(rows, int_rows):
+                    r.update(zip(ints, i))
+                clamped = [i[len(ints)] for i in int_rows] if self.clamped is not None else None
             tail = packed[n * width:]
             ncoef = 1 if self.clip_coef is not None else 0
             extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(len(extra))]
@@ -299,10 +337,8 @@ class GradStats:
         """
         h = self._host()
         params = {}
-        for name, (l2, linf, mean, zf, numel, nan, inf, zero) in zip(self.names, h["rows"]):
-            params[name] = {"numel": int(numel), "l2": l2, "linf": linf, "mean": mean,
-                            "nan_count": int(nan), "inf_count": int(inf),
-                            "zero_count": int(zero), "zero_fraction": zf}
+        for name, row in zip(self.names, h["rows"]):
+            params[name] = {st.name: int(row[st.name]) if st.count else row[st.name] for st in STATISTICS}
         extra = {}
         if h["row_coef"] is not None:  # per-parameter / per-layer clipping
             for name, c in zip(self.names, h["row_coef"]):
@@ -360,7 +396,7 @@ class GradStats:
         Returns:
             list[str]: In row order; empty when every gradient is finite.
         """
-        return [name for name, row in zip(self.names, self._host()["rows"]) if row[5] or row[6]]
+        return [name for name, row in zip(self.names, self._host()["rows"]) if row["nan_count"] or row["inf_count"]]
 
     def table(self, top: int | None = None, sort_by: str = "l2") -> str:
         """A fixed-width table of the per-parameter statistics, largest ``sort_by`` first
@@ -371,13 +407,12 @@ class GradStats:
         items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1][sort_by]), reverse=True)
         shown = items if top is None else items[:top]
         width = max([len("parameter")] + [len(n) for n, _ in shown])
-        head = (f"{'parameter':<{width}}  {'numel':>10}  {'l2':>10}  {'linf':>10}  {'mean':>11}"
-                f"  {'nan':>6}  {'inf':>6}  {'zero%':>6}")
+        columns = [st for st in STATISTICS if st.header is not None]
+        head = f"{'parameter':<{width}}" + "".join(f"  {st.header:>{st.width}}" for st in columns)
         lines = [head, "-" * len(head)]
         for name, r in shown:
-            lines.append(f"{name:<{width}}  {r['numel']:>10}  {r['l2']:>10.4g}  {r['linf']:>10.4g}"
-                         f"  {r['mean']:>11.3e}  {r['nan_count']:>6}  {r['inf_count']:>6}"
-                         f"  {100 * r['zero_fraction']:>6.1f}")
+            lines.append(f"{name:<{width}}" + "".join(
+                f"  {r[st.name] * st.scale if st.scale != 1 else r[st.name]:>{st.width}{st.spec}}" for st in columns))
         if len(shown) < len(items):
             lines.append(f"... {len(items) - len(shown)} more parameters")
         total = f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}"
@@ -425,52 +460,9 @@ class GradStats:
                 f"device={self.floats.device})")
 
 
-def layer_of(name: str, depth: int | None = None) -> str:
-    """The module prefix of a parameter name, leaving out the parameter's own name: up to and
-    including the first numeric part, a block index (``transformer.h.3.attn.c_attn.weight`` ->
-    ``transformer.h.3``; the whole module path when there is none), or with ``depth`` its first
-    ``depth`` dotted parts (``layers.3.attn.weight`` -> ``layers.3`` at depth 2)."""
-    parts = name.split(".")[:-1] or [name]
-    if depth is None:
-        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
-        return ".".join(parts[:index + 1])
-    return ".".join(parts[:max(depth, 1)])
-
-
-def sum_by_key(keys: list[str], rows: list[list]) -> dict[str, list]:
-    """Host rows (lists of numbers, all of one length) summed per key: ``{key: [sums]}``, the
-    keys in the order they first come (a layer's rows added up, e.g. keys from ``layer_of``)."""
-    sums: dict[str, list] = {}
-    for key, row in zip(keys, rows):
-        acc = sums.setdefault(key, [0] * len(row))
-        for i, v in enumerate(row):
-            acc[i] += v
-    return sums
-
-
-def exponents_entry(counts: list) -> dict:
-    """An exponent histogram (one count per bin, as ``gradfuse.ops.layout`` numbers the bins)
-    as a monitor record keeps it: ``{"first_bin": b, "counts": [...]}`` without the empty bins
-    at both ends (``{"first_bin": 0, "counts": []}`` when every bin is empty)."""
-    counts = [int(v) for v in counts]
-    nz = [i for i, c in enumerate(counts) if c]
-    first, last = (nz[0], nz[-1]) if nz else (0, -1)
-    return {"first_bin": first, "counts": counts[first:last + 1]}
-
-
 def _sort_key(v: float):
     return (math.isnan(v), v if not math.isnan(v) else 0.0)
 
 
 def _order(p: float) -> str:
     return f"{p:g}"  # inf, -inf, 2, 0.5
-
-
-def columns_to_host(names: list[str], columns: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
-    """Per-row columns ({column: [n] tensor}) as {name: {column: value}}, with one
-    device-to-host transfer."""
-    if not names:
-        return {}
-    keys = list(columns)
-    packed = torch.stack([columns[k] for k in keys], 1).cpu().tolist()
-    return {name: dict(zip(keys, row)) for name, row in zip(names, packed)}

@@ -41,8 +41,8 @@ def group_stats(names, idx, tensors, p: float, what: str, slow_path: bool):
     warn_slow_once("sparse gradients")
     sparse = [i for i, t in enumerate(tensors) if t.layout != torch.strided]
     f, c = reference.tensor_rows([tensors[i] for i in sparse], p)
-    floats = f.new_empty((len(tensors), 4))
-    counts = c.new_empty((len(tensors), 4))
+    floats = f.new_empty((len(tensors), f.shape[1]))
+    counts = c.new_empty((len(tensors), c.shape[1]))
     floats[sparse], counts[sparse] = f, c
     if dense:
         floats[dense], counts[dense] = (

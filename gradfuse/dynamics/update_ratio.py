@@ -27,7 +27,7 @@ import math
 import torch
 
 from gradfuse.core.engine import fused_stats
-from gradfuse.core.grad_stats import layer_of
+from gradfuse.core.layers import layer_of
 from gradfuse.ops.layout import SUMSQ
 
 SUPPORTED = ("SGD", "Adam", "AdamW")

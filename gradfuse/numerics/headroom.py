@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from gradfuse.core.grad_stats import columns_to_host, exponents_entry, layer_of, sum_by_key
+from gradfuse.core.layers import columns_to_host, exponents_entry, layer_of, sum_by_key
 from gradfuse.ops import layout as H
 
 __all__ = ["COLUMNS", "FORMATS", "KINDS", "Format", "amax_scale", "headroom_columns", "layer_record",

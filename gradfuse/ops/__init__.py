@@ -13,19 +13,37 @@ from __future__ import annotations
 import torch
 
 from gradfuse.ops import fake, reference  # noqa: F401  (fake: registers the fake kernels)
-from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF,  # noqa: F401
-                                 BIN_ZERO, EXPONENT_OFFSET, INF, M2, MAX_EXPONENT, MAXABS,
-                                 MIN_EXPONENT, NAN, NUM_BINS, NUMEL, POWSUM, SUM, SUMSQ, ZERO)
-from gradfuse.ops.library import (backend, build_info, has_kernel, op_compiled, stats_dtype,  # noqa: F401
-                                  use_compiled)
+from gradfuse.ops.layout import (  # noqa: F401
+    BIN_ABOVE,
+    BIN_BELOW,
+    BIN_NAN,
+    BIN_NEG_INF,
+    BIN_POS_INF,
+    BIN_ZERO,
+    EXPONENT_OFFSET,
+    INF,
+    M2,
+    MAX_EXPONENT,
+    MAXABS,
+    MIN_EXPONENT,
+    NAN,
+    NUM_BINS,
+    NUMEL,
+    POWSUM,
+    SUM,
+    SUMSQ,
+    ZERO,
+)
+from gradfuse.ops.library import backend, build_info, has_kernel, op_compiled, stats_dtype, use_compiled  # noqa: F401
 
 
 def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float = 2.0):
     """Per-tensor statistics of one (device, dtype) group in one pass.
 
-    Returns ``(floats, counts)``: float64 ``[n, 4]`` (sum, sum of squares, max |x|, sum |x|^p
-    when p is not 0, 2 or inf) and int64 ``[n, 4]`` (NaN, Inf and zero counts, numel), on the
-    tensors' device.
+    Returns ``(floats, counts)``: float64 ``[n, len(FLOAT_COLUMNS)]`` (sum, sum of squares, max
+    |x|, sum |x|^p when p is not 0, 2 or inf) and int64 ``[n, len(COUNT_COLUMNS)]`` (NaN, Inf and
+    zero counts, numel), on the tensors' device; the columns are those of
+    ``gradfuse.ops.layout``.
     """
     if not tensors or not use_compiled(tensors[0].device):
         return reference.multi_tensor_stats(tensors, norm_type)
@@ -64,7 +82,7 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units: list[int], norm_
     equal consecutive blocks (``units[i] = w.size(0)``: one row per output unit, the norm over
     dims 1.. as timm's AGC takes it; ``1``: the whole tensor; ``0`` only for an empty tensor).
 
-    Returns ``(floats, counts)``: float64 and int64 ``[sum(units), 4]``, the rows of every unit
+    Returns ``(floats, counts)``: float64 and int64, ``sum(units)`` rows, the rows of every unit
     of every tensor in order, columns as ``multi_tensor_stats``. A tensor that is not
     contiguous (with units > 1) is copied to a contiguous one first.
     """

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from gradfuse.ops.layout import NUM_BINS
+from gradfuse.ops.layout import NUM_BINS, NUM_COUNT_STATS, NUM_FLOAT_STATS
 from gradfuse.ops.library import extension
 
 
 def _rows(tensors, count: int):
     if len(tensors) == 0:
-        return torch.empty((0, 4), dtype=torch.float64), torch.empty((0, 4), dtype=torch.int64)
-    return (tensors[0].new_empty((count, 4), dtype=torch.float64),
-            tensors[0].new_empty((count, 4), dtype=torch.int64))
+        return (torch.empty((0, NUM_FLOAT_STATS), dtype=torch.float64),
+                torch.empty((0, NUM_COUNT_STATS), dtype=torch.int64))
+    return (tensors[0].new_empty((count, NUM_FLOAT_STATS), dtype=torch.float64),
+            tensors[0].new_empty((count, NUM_COUNT_STATS), dtype=torch.int64))
 
 
 def _stats_fake(tensors, norm_type):

@@ -1,20 +1,71 @@
-"""The layouts of the compiled ops' results, shared with csrc/common/stats_math.h and
-csrc/common/hist_math.h: the columns of the statistics rows and the bins of the exponent
-histograms. Imports nothing of gradfuse.
+"""The layouts of the compiled ops' results: the columns of the statistics rows and the bins of
+the exponent histograms. Imports nothing of gradfuse.
 
-Statistics rows (``multi_tensor_stats`` and the per-unit / clamp ops): float64 ``[n, 4]`` with
-columns ``SUM``, ``SUMSQ``, ``MAXABS``, ``POWSUM`` (sum |x|^p for orders other than 0, 2 and inf;
-min |x| for -inf on the per-tensor path), and int64 ``[n, 4]`` with ``NAN``, ``INF``, ``ZERO``,
-``NUMEL``. The rows of ``multi_tensor_moments`` hold ``M2``, the sum of squared deviations from
-the mean, in the power sum's column.
+Statistics rows (``multi_tensor_stats``, ``multi_tensor_moments`` and the per-unit / clamp ops):
+float64 ``[n, len(FLOAT_COLUMNS)]`` and int64 ``[n, len(COUNT_COLUMNS)]``, one row per tensor (or
+unit), with the columns of :data:`FLOAT_COLUMNS` and :data:`COUNT_COLUMNS` in order. This table is
+the one place Python declares them: the fake kernels, the reference, the distributed reduction,
+the AMP unscale, ``GradStats`` and the data reference read it, and the compiled side declares the
+same columns once, in ``csrc/common/stats_math.h`` (``build_info()["stats_layout"]``; a test checks
+that the two agree). The rows of ``multi_tensor_moments`` hold ``M2``, the sum of squared
+deviations from the mean, in the power sum's column.
 
 Exponent histograms: ``NUM_BINS`` = 283 bins per tensor, the same for every dtype; bin
 ``e + EXPONENT_OFFSET`` counts the elements with ``floor(log2|x|) == e`` (the table of every bin
-is in ``gradfuse.numerics.histogram``).
+is in ``gradfuse.numerics.histogram``; the compiled side: ``csrc/common/hist_math.h``).
 """
-SUM, SUMSQ, MAXABS, POWSUM = range(4)
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Column(NamedTuple):
+    """One column of the statistics rows.
+
+    Attributes:
+        name: The column's name (the member of ``StatsAcc`` in ``csrc/common/stats_math.h``).
+        combine: How the rows of pieces of one tensor (chunks, shards of a DTensor) combine:
+            ``"sum"`` or ``"max"`` (NaN wins).
+        degree: For float columns, how the column scales when the data is multiplied by ``c``:
+            by ``c ** degree``; ``"p"``: by ``c ** norm_type`` (the power sum). None for counts.
+        meaning: What the column holds, as the data reference says it.
+    """
+
+    name: str
+    combine: str
+    degree: int | str | None
+    meaning: str
+
+
+FLOAT_COLUMNS: tuple[Column, ...] = (
+    Column("sum", "sum", 1, "sum of the elements"),
+    Column("sumsq", "sum", 2, "sum of squares"),
+    Column("maxabs", "max", 1, "the largest absolute value (NaN when the tensor holds a NaN)"),
+    Column("powsum", "sum", "p",
+           "the sum of abs(x)^p for norm orders p other than 0, 2 and inf (0 for those); the smallest "
+           "absolute value for -inf on the per-tensor path; `multi_tensor_moments`: M2, the sum of "
+           "squared deviations from the mean"),
+)
+COUNT_COLUMNS: tuple[Column, ...] = (
+    Column("nan", "sum", None, "NaN elements"),
+    Column("inf", "sum", None, "+-Inf elements"),
+    Column("zero", "sum", None, "elements equal to zero"),
+    Column("numel", "sum", None, "elements"),
+)
+
+FLOAT_NAMES = tuple(c.name for c in FLOAT_COLUMNS)
+COUNT_NAMES = tuple(c.name for c in COUNT_COLUMNS)
+NUM_FLOAT_STATS = len(FLOAT_COLUMNS)
+NUM_COUNT_STATS = len(COUNT_COLUMNS)
+
+# Column positions by name, for the code that reads one column.
+SUM, SUMSQ, MAXABS, POWSUM = (FLOAT_NAMES.index(n) for n in ("sum", "sumsq", "maxabs", "powsum"))
 M2 = POWSUM
-NAN, INF, ZERO, NUMEL = range(4)
+NAN, INF, ZERO, NUMEL = (COUNT_NAMES.index(n) for n in ("nan", "inf", "zero", "numel"))
+
+# The float columns that add up across pieces of a tensor, and those that take the maximum.
+SUMMED_FLOAT_COLUMNS = tuple(i for i, c in enumerate(FLOAT_COLUMNS) if c.combine == "sum")
+MAX_FLOAT_COLUMNS = tuple(i for i, c in enumerate(FLOAT_COLUMNS) if c.combine == "max")
 
 NUM_BINS = 283
 BIN_BELOW = 0
@@ -26,3 +77,11 @@ BIN_ABOVE = 279
 BIN_POS_INF = 280
 BIN_NEG_INF = 281
 BIN_NAN = 282
+
+
+def rows_markdown() -> str:
+    """The columns of the statistics rows as the Markdown table of the data reference."""
+    lines = ["| row | column | position | meaning |", "|---|---|---|---|"]
+    for kind, columns in (("float64", FLOAT_COLUMNS), ("int64", COUNT_COLUMNS)):
+        lines += [f"| {kind} | `{c.name}` | {i} | {c.meaning} |" for i, c in enumerate(columns)]
+    return "\n".join(lines)

@@ -101,9 +101,11 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
 
 def mismatches() -> list[str]:
-    """What differs between the build of gradfuse._C and what is running, each with what to do;
-    empty when the build serves every device present. (A build for another torch is refused at
-    import and never gets here.)"""
+    """What differs between the build of gradfuse._C and what is running, each with what to do.
+
+    Empty when the build serves every device present. (A build for another torch is refused at
+    import and never gets here.)
+    """
     problems = []
     if extension is None:
         problems.append(f"{load_error} Until then the pure-PyTorch reference runs on every device.")

@@ -7,7 +7,7 @@ returned in float32: sums of squares and power sums then carry float32's relativ
 about 1e-7 per addition, so norms over n elements are within about n * 1e-7 relative (much less
 in practice: torch's float32 reductions are pairwise); counts are exact.
 
-Layer: ops (the bottom). Imports only ``gradfuse.ops.layout``.
+Layer: ops (the bottom). Imports ``gradfuse.ops.layout`` and ``gradfuse.ops.library``.
 
 ``tensor_rows`` is the slow path for what the kernels do not take: sparse (COO) and complex
 tensors, and negative norm orders (including -inf).
@@ -18,15 +18,32 @@ import math
 
 import torch
 
+from gradfuse.ops.layout import (
+    BIN_ABOVE,
+    BIN_BELOW,
+    BIN_NAN,
+    BIN_NEG_INF,
+    BIN_POS_INF,
+    BIN_ZERO,
+    COUNT_NAMES,
+    EXPONENT_OFFSET,
+    FLOAT_NAMES,
+    M2,
+    MIN_EXPONENT,
+    NUM_BINS,
+    NUM_COUNT_STATS,
+    NUM_FLOAT_STATS,
+)
 from gradfuse.ops.library import stats_dtype
-from gradfuse.ops.layout import (BIN_ABOVE, BIN_BELOW, BIN_NAN, BIN_NEG_INF, BIN_POS_INF, BIN_ZERO,
-                                 EXPONENT_OFFSET, M2, MIN_EXPONENT, NUM_BINS)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_one_group(tensors: list[torch.Tensor]) -> None:
-    # As the compiled ops do: callers rely on the error to group mixed lists.
+    """Raises RuntimeError unless every tensor has the first one's dtype and device.
+
+    As the compiled ops do: callers rely on the error to group mixed lists.
+    """
     first = tensors[0]
     for i, t in enumerate(tensors):
         if t.dtype != first.dtype or t.device != first.device:
@@ -43,6 +60,7 @@ def _check_kernel_inputs(tensors: list[torch.Tensor]) -> None:
 
 
 def multi_tensor_stats(tensors: list[torch.Tensor], norm_type: float):
+    """The rows of ``gradfuse::multi_tensor_stats`` for one (device, dtype) group of dense tensors."""
     if len(tensors) == 0:
         return _empty_rows()
     check_one_group(tensors)
@@ -72,13 +90,22 @@ def multi_tensor_moments(tensors: list[torch.Tensor]):
 
 def _empty_rows(device=None):
     device = torch.device("cpu") if device is None else device
-    return (torch.empty((0, 4), dtype=stats_dtype(device), device=device),
-            torch.empty((0, 4), dtype=torch.int64, device=device))
+    return (torch.empty((0, NUM_FLOAT_STATS), dtype=stats_dtype(device), device=device),
+            torch.empty((0, NUM_COUNT_STATS), dtype=torch.int64, device=device))
+
+
+def _stack_columns(columns: dict[str, torch.Tensor], names: tuple[str, ...], dim: int) -> torch.Tensor:
+    """The columns of a row (or of rows, along ``dim``) in the order of the layout; every column of
+    the layout must be there."""
+    if set(columns) != set(names):
+        raise AssertionError(f"the reference computes {sorted(columns)}, the layout has {sorted(names)}")
+    return torch.stack([columns[n] for n in names], dim)
 
 
 def tensor_rows(tensors: list[torch.Tensor], norm_type: float):
-    """The rows of ``multi_tensor_stats`` for tensors of one device, of any order and of what the
-    kernels do not take:
+    """The rows of ``multi_tensor_stats`` for tensors of one device, of any order and kind.
+
+    This covers what the kernels do not take:
 
     - norm_type < 0: POWSUM holds sum |x|^p (|x|, so -0.0 is 0.0); p = -inf: min |x| (+inf for
       an empty tensor, which then leaves the minimum over several tensors alone).
@@ -117,15 +144,17 @@ def tensor_rows(tensors: list[torch.Tensor], norm_type: float):
         else:
             powsum = a.pow(p).sum()
         maxabs = a.amax() if x.numel() else a.new_zeros(())
-        rows_f.append(torch.stack([total, sumsq, maxabs, powsum]))
-        rows_c.append(torch.stack([x.isnan().sum(), x.isinf().sum(),
-                                   (x == 0).sum() + (numel - x.numel()),
-                                   torch.tensor(numel, device=device)]))
+        rows_f.append(_stack_columns({"sum": total, "sumsq": sumsq, "maxabs": maxabs, "powsum": powsum},
+                                     FLOAT_NAMES, 0))
+        rows_c.append(_stack_columns({"nan": x.isnan().sum(), "inf": x.isinf().sum(),
+                                      "zero": (x == 0).sum() + (numel - x.numel()),
+                                      "numel": torch.tensor(numel, device=device)}, COUNT_NAMES, 0))
     return torch.stack(rows_f), torch.stack(rows_c).to(torch.int64)
 
 
 def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor,
                         conditional: bool = True) -> None:
+    """Every tensor times ``coef`` in place; with ``conditional``, only when ``coef < 1`` or NaN."""
     if len(tensors) == 0:
         return
     check_one_group(tensors)
@@ -160,6 +189,7 @@ def check_units(tensors: list[torch.Tensor], units, op: str) -> list[int]:
 
 
 def check_coefs(coefs: torch.Tensor, count: int, device: torch.device, op: str) -> None:
+    """Raises RuntimeError unless ``coefs`` is a 1-D floating tensor of ``count`` entries on ``device``."""
     if not isinstance(coefs, torch.Tensor) or coefs.dim() != 1 or coefs.numel() != count:
         shape = tuple(coefs.shape) if isinstance(coefs, torch.Tensor) else type(coefs).__name__
         raise RuntimeError(f"{op}: coefs must be a 1-D tensor of {count} coefficients (one per "
@@ -171,6 +201,7 @@ def check_coefs(coefs: torch.Tensor, count: int, device: torch.device, op: str) 
 
 
 def check_clip_value(clip_value: float, op: str) -> float:
+    """``clip_value`` as a float; raises RuntimeError unless it is a number >= 0 (NaN refused)."""
     v = float(clip_value)
     if not v >= 0.0:  # also NaN
         raise RuntimeError(f"{op}: clip_value must be >= 0 and not NaN, got {v}")
@@ -179,7 +210,7 @@ def check_clip_value(clip_value: float, op: str) -> float:
 
 def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float = 2.0):
     """Rows of ``multi_tensor_stats`` for every unit: tensor i (in logical, row-major order) cut
-    into ``units[i]`` equal consecutive blocks; rows concatenated in order, ``[sum(units), 4]``.
+    into ``units[i]`` equal consecutive blocks; rows concatenated in order, ``sum(units)`` rows.
     As the kernels do, norm orders 0, 2 and +-inf leave POWSUM at 0 and p < 0 sums |x|^p."""
     op = "gradfuse.multi_tensor_unit_stats"
     units = check_units(tensors, units, op)
@@ -197,8 +228,8 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
         length = x.shape[1]
         a = x.abs()
         if length == 0:
-            rows_f.append(x.new_zeros((u, 4)))
-            rows_c.append(torch.zeros((u, 4), dtype=torch.int64, device=device))
+            rows_f.append(x.new_zeros((u, NUM_FLOAT_STATS)))
+            rows_c.append(torch.zeros((u, NUM_COUNT_STATS), dtype=torch.int64, device=device))
             continue
         if p in (0.0, 2.0) or math.isinf(p):
             powsum = a.new_zeros(u)
@@ -206,9 +237,11 @@ def multi_tensor_unit_stats(tensors: list[torch.Tensor], units, norm_type: float
             powsum = a.sum(1)
         else:
             powsum = a.pow(p).sum(1)
-        rows_f.append(torch.stack([x.sum(1), (x * x).sum(1), a.amax(1), powsum], 1))
+        rows_f.append(_stack_columns({"sum": x.sum(1), "sumsq": (x * x).sum(1), "maxabs": a.amax(1),
+                                      "powsum": powsum}, FLOAT_NAMES, 1))
         numel = torch.full((u,), length, dtype=torch.int64, device=device)
-        rows_c.append(torch.stack([x.isnan().sum(1), x.isinf().sum(1), (x == 0).sum(1), numel], 1))
+        rows_c.append(_stack_columns({"nan": x.isnan().sum(1), "inf": x.isinf().sum(1), "zero": (x == 0).sum(1),
+                                      "numel": numel}, COUNT_NAMES, 1))
     if not rows_f:
         return _empty_rows(device)
     return torch.cat(rows_f), torch.cat(rows_c).to(torch.int64)

@@ -1,8 +1,10 @@
 """The emulated-CUDA files start Python processes that import cuda_emu (tests/cuda_emu) by name:
-they find it through PYTHONPATH."""
+they find it through PYTHONPATH. Their fixtures (the emulated backend, one torch thread) come from
+emu_fixtures."""
 import os
 
 import pytest
+from emu_fixtures import emu, one_thread  # noqa: F401 (the fixtures of this folder's tests)
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,7 @@
-"""The CUDA backend without a GPU: the real stats and scale functors of csrc/cuda/kernels.cuh, the
-launcher of csrc/cuda/multi_tensor.cuh and the glue of csrc/cuda/ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu, compared column by
-column with the CPU backend and with the float64 reference.
+"""The CUDA backend without a GPU: the real stats and scale functors of csrc/cuda/stats_ops.cuh and
+csrc/cuda/clip_ops.cuh, the launcher of csrc/cuda/multi_tensor.cuh and the glue of csrc/cuda/ops.h,
+run on the CPU by the CUDA emulation of tests/cuda_emu, compared column by column with the CPU
+backend and with the float64 reference.
 
 The first run builds the emulated backend (about 40 s, cached in build/cuda_emu/).
 test_grid_under_sanitizers runs this file a second time, built with ASan+UBSan.
@@ -11,15 +12,17 @@ import subprocess
 import sys
 import textwrap
 
+import cuda_emu
 import pytest
 import torch
-
-import cuda_emu
-from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse.ops import library
+from emu_fixtures import FMA, SANITIZED, rerun_under_sanitizers, rerun_with_fma
 from helpers import assert_moments_close, assert_stats_close
 
-pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C (the CPU backend compared with) not built")
+from gradfuse.ops import library
+from gradfuse.ops.layout import M2, NAN
+
+pytestmark = pytest.mark.skipif(library.extension is None,
+                                reason="gradfuse._C (the CPU backend compared with) not built")
 
 CHUNK = 65536
 SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
@@ -157,6 +160,24 @@ def test_moments_planted_views_and_tables(emu, dtype):
     table = emu.max_tensors_per_launch()
     sizes = [0 if i % 5 == 0 else 1 + i % 37 for i in range(table + 9)]
     check_moments(emu, [randn(n, dtype, seed=i) + 7 for i, n in enumerate(sizes)])
+
+
+def test_moments_whose_spread_overflows(emu):
+    """[1, 2, 1e300] in float64: sum * (sum / n) overflows, and the finish gives the two-pass's
+    +Inf, not Inf - Inf = NaN, whether or not the compiler contracts it into an FMA (the test below
+    runs these tests again with the emulation built to contract, as nvcc does)."""
+    x = torch.tensor([1.0, 2.0, 1e300], dtype=torch.float64)
+    f, c = emu.multi_tensor_moments([x, -x, x[:2]])
+    assert f[:, M2].tolist() == [math.inf, math.inf, 0.5]
+    assert torch.equal(f, cpu_moments([x, -x, x[:2]])[0])
+    assert c[:, NAN].tolist() == [0, 0, 0]
+
+
+@pytest.mark.skipif(SANITIZED or FMA, reason="this is a rerun")
+def test_moments_with_fma_contraction():
+    """The moments tests of this file again, with the emulated backend built with -mfma
+    -ffp-contract=fast (nvcc's default contraction): the results must not depend on it."""
+    rerun_with_fma(__file__, "moments")
 
 
 # A regression test for |x| by fabs: as `x < 0 ? -x : x` it kept -0.0, so pow(-0.0, p) was -inf for

@@ -1,6 +1,6 @@
 """The CUDA clipping kernels without a GPU: the per-unit stats, scale and clamp functors of
-csrc/cuda/kernels.cuh, the launcher of csrc/cuda/multi_tensor.cuh and the glue of csrc/cuda/ops.h,
-run on the CPU by the CUDA emulation of tests/cuda_emu (see
+csrc/cuda/stats_ops.cuh and csrc/cuda/clip_ops.cuh, the launcher of csrc/cuda/multi_tensor.cuh and
+the glue of csrc/cuda/ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu (see
 test_cuda_emulated.py), compared with the float64 reference and with the CPU backend: per-unit
 statistics, per-unit / per-tensor scale (bitwise) and the one-pass clamp (bitwise, with the
 statistics before clamping and the clamped counts). test_clip_grid_under_sanitizers runs this file
@@ -8,14 +8,14 @@ again, built with ASan+UBSan.
 """
 import math
 
+import cuda_emu
 import pytest
 import torch
-
-import cuda_emu
-from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse.ops import library, reference
 from clip_helpers import assert_unit_stats_close
+from emu_fixtures import SANITIZED, rerun_under_sanitizers
 from helpers import assert_stats_close
+
+from gradfuse.ops import library, reference
 
 pytestmark = pytest.mark.skipif(library.extension is None or not hasattr(torch.ops.gradfuse, "multi_tensor_clamp_"),
                                 reason="gradfuse._C (the CPU backend compared with) not built with the clip ops")

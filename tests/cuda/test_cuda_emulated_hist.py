@@ -1,4 +1,4 @@
-"""The CUDA exponent-histogram functor (csrc/cuda/kernels.cuh, launched by csrc/cuda/multi_tensor.cuh,
+"""The CUDA exponent-histogram functor (csrc/cuda/hist_ops.cuh, launched by csrc/cuda/multi_tensor.cuh,
 glue csrc/cuda/ops.h) run
 on the CPU by the CUDA emulation of tests/cuda_emu, compared bin by bin with the torch.frexp
 reference and with the CPU backend: every dtype, subnormals, zeros, +-inf, NaN, sizes across
@@ -11,12 +11,13 @@ import math
 
 import pytest
 import torch
-
-from emu_fixtures import SANITIZED, emu, one_thread, rerun_under_sanitizers  # noqa: F401 (fixtures)
-from gradfuse.ops import library
+from emu_fixtures import SANITIZED, rerun_under_sanitizers
 from hist_helpers import CHUNK, SIZES, every_exponent, expected_rows, random_bits
 
-pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C (the CPU backend compared with) not built")
+from gradfuse.ops import library
+
+pytestmark = pytest.mark.skipif(library.extension is None,
+                                reason="gradfuse._C (the CPU backend compared with) not built")
 cpu_hist = torch.ops.gradfuse.multi_tensor_exponent_histogram
 
 

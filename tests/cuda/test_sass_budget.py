@@ -31,7 +31,7 @@ def built_sass():
 
 
 def fake_sass(name, body):
-    """cuobjdump -sass text of one function: each line of `body` one instruction, addresses
+    """Cuobjdump -sass text of one function: each line of `body` one instruction, addresses
     counted from 0; 'BRA @n' becomes a branch to instruction n."""
     lines = [f"\t\tFunction : {name}", '\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"']
     for i, ins in enumerate(textwrap.dedent(body).strip().splitlines()):
@@ -108,7 +108,7 @@ def test_built_stats_kernels_within_instruction_budget(built_sass):
     assert not sass_budget.over_budget(kernels), report
 
 
-# ---- The clipping functors (per-unit stats, scale, clamp; csrc/cuda/kernels.cuh)
+# ---- The clipping functors (per-unit stats, scale, clamp; csrc/cuda/stats_ops.cuh, clip_ops.cuh)
 SCALE_FP32 = "_ZN8gradfuse4cuda17unit_scale_kernelIfNS0_15UnitLaunchTableILi64EEEEvT0_PKfb"
 
 
@@ -152,7 +152,7 @@ def test_built_clip_kernels_within_instruction_budget(built_sass):
     assert scale["fp32"] <= 2.0 and scale["bf16"] <= 4.0, report  # a multiply and a store per element
 
 
-# ---- The exponent histogram functor (csrc/cuda/kernels.cuh)
+# ---- The exponent histogram functor (csrc/cuda/hist_ops.cuh)
 HIST_BF16 = "_ZN8gradfuse4cuda11hist_kernelIN3c108BFloat16ENS0_11LaunchTableILi64EEEEEvT0_Pl"
 
 

@@ -1,13 +1,16 @@
 """The CUDA kernels of gradfuse, run on the CPU: builds (once, cached in build/cuda_emu/) a small
 torch extension that registers ``torch.ops.gradfuse_emu.*`` on CPU tensors, running the glue of
-``csrc/cuda/ops.h`` and the kernels of ``csrc/cuda/kernels.cuh`` (on the launcher of
-``csrc/cuda/multi_tensor.cuh``) through the CUDA emulation of ``cuda_emu.h``. See "Testing the CUDA
-kernels without a GPU" in the README.
+``csrc/cuda/ops.h`` and the kernels of ``csrc/cuda/*_ops.cuh`` (on the launcher of
+``csrc/cuda/multi_tensor.cuh``) through the CUDA emulation of ``cuda_emu.h``. See "CUDA kernels
+without a GPU" in CONTRIBUTING.md.
 
 Environment (read by :func:`load`):
   GRADFUSE_EMU_SANITIZE=1  build with -fsanitize=address,undefined (Python must then run with
                            libasan preloaded: see sanitizer_env)
   GRADFUSE_EMU_CSRC=dir    compile the kernels from another copy of csrc/ (planted-bug runs)
+  GRADFUSE_EMU_FMA=1       build with -mfma -ffp-contract=fast: a*b+c contracted into one FMA
+                           wherever the compiler likes, as nvcc does by default (the default
+                           build targets baseline x86-64, where g++ contracts nothing)
 """
 from __future__ import annotations
 
@@ -54,11 +57,13 @@ def load():
     from torch.utils import cpp_extension
 
     sanitize = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
+    fma = os.environ.get("GRADFUSE_EMU_FMA") == "1"
     csrc = Path(os.environ.get("GRADFUSE_EMU_CSRC", ROOT / "csrc")).resolve()
     flags = ["-Wall", "-Wno-unknown-pragmas", f"-I{csrc}"]
     flags += ["-O1", "-g1"] + SANITIZE_FLAGS if sanitize else ["-O2"]
+    flags += ["-mfma", "-ffp-contract=fast"] if fma else []
     # One build directory (and library name) per variant, so that each stays cached.
-    variant = ("asan" if sanitize else "opt") + (
+    variant = ("asan" if sanitize else "opt") + ("_fma" if fma else "") + (
         "" if csrc == ROOT / "csrc" else "_" + hashlib.sha1(str(csrc).encode()).hexdigest()[:8])
     build_dir = ROOT / "build" / "cuda_emu" / variant
     build_dir.mkdir(parents=True, exist_ok=True)

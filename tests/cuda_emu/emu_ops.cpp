@@ -1,5 +1,5 @@
 // The emulated CUDA backend, for tests: torch.ops.gradfuse_emu.* take CPU tensors and run the ops'
-// glue (csrc/cuda/ops.h) and the real kernels (csrc/cuda/kernels.cuh, csrc/cuda/multi_tensor.cuh)
+// glue (csrc/cuda/ops.h) and the real kernels (csrc/cuda/*_ops.cuh, csrc/cuda/multi_tensor.cuh)
 // through the CUDA emulation of cuda_emu.h. Built on demand by the tests
 // (tests/cuda_emu/__init__.py), with csrc/ (or a planted-bug copy of it) on the include path.
 //

@@ -1,5 +1,6 @@
-"""The CPU histogram under each CPU capability the machine can select, against the
-torch.frexp reference, at the sizes and value patterns where a chunk loop has edges: sizes around
+"""The CPU histogram under each CPU capability the machine can select, against the reference.
+
+The reference is torch.frexp's, at the sizes and value patterns where a chunk loop has edges: sizes around
 8-element unroll steps and 16-element vectors, unaligned starts, one value everywhere (every
 increment on one counter, and whole chunks in the lumped zero / Inf / NaN rows that pass 2 sorts
 out), wide chunks between narrow ones in one call and across calls, 1 and 2 threads. (A pair-
@@ -22,9 +23,9 @@ import math
 
 import pytest
 import torch
+from hist_helpers import CHUNK, every_exponent, expected_rows, random_bits
 
 from gradfuse.ops import library
-from hist_helpers import CHUNK, every_exponent, expected_rows, random_bits
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 op = torch.ops.gradfuse.multi_tensor_exponent_histogram
@@ -35,8 +36,11 @@ EDGE_SIZES = [1, 15, 16, 17, 31, 33, 255, 256, 257, 271, 4095, 4111, CHUNK - 17,
 
 @pytest.fixture(params=["avx512", "avx2", "default"])
 def cpu_capability(request):
-    """Every CPU histogram loop this machine can run: the AVX-512 counting loop of the AVX2
-    kernels, their AVX2 loop, the default build. (Shadows tests/conftest.py's fixture.)"""
+    """Every CPU histogram loop this machine can run.
+
+    The AVX-512 counting loop of the AVX2 kernels, their AVX2 loop, the default build. (Shadows
+    tests/conftest.py's fixture.)
+    """
     if library.extension is None:
         pytest.skip("gradfuse._C not built")
     info = library.extension.build_info()
@@ -136,7 +140,7 @@ SAMPLE, VEC, BLOCK = 256, 32, 64 * 32
 
 
 def binade_values(dtype, exps, n, seed):
-    """n values of `dtype` with floor(log2|x|) drawn from `exps` (cycled), random signs and
+    """N values of `dtype` with floor(log2|x|) drawn from `exps` (cycled), random signs and
     mantissas: exactly the fields those exponents have."""
     g = torch.Generator().manual_seed(seed)
     e = torch.tensor(exps, dtype=torch.float64).repeat(n // len(exps) + 1)[:n]

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from helpers import assert_moments_close, two_pass_m2
 
 from gradfuse import ops
 from gradfuse.ops import library
 from gradfuse.ops.layout import M2, MAXABS, SUM, SUMSQ
-from helpers import assert_moments_close, two_pass_m2
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
@@ -107,6 +107,17 @@ def test_nonfinite_rows(dtype, cpu_capability, where, value):
     # the sum is what an unshifted sum gives (+-inf, or NaN), also when the first element is not finite
     assert floats[0, SUM].item() == pytest.approx(s_floats[0, SUM].item(), nan_ok=True)
     assert floats[0, MAXABS].item() == pytest.approx(s_floats[0, MAXABS].item(), nan_ok=True)
+
+
+def test_finite_float64_values_whose_spread_overflows(cpu_capability):
+    """[1, 2, 1e300]: the sum of squared deviations overflows to +Inf, as a float64 two-pass gives
+    it; the finish of the shifted sums must not turn it into Inf - Inf = NaN."""
+    x = torch.tensor([1.0, 2.0, 1e300], dtype=torch.float64)
+    floats, counts = moments_op([x, -x])
+    assert two_pass_m2(x) == math.inf
+    assert floats[:, M2].tolist() == [math.inf, math.inf]
+    assert floats[:, SUM].tolist() == [x.sum().item(), -x.sum().item()]
+    assert counts[:, 0].tolist() == [0, 0] and counts[:, 1].tolist() == [0, 0]  # finite data
 
 
 def test_empty_list_and_mixed_lists_are_refused():

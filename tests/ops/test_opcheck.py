@@ -1,8 +1,10 @@
-"""Every compiled op of gradfuse through torch.library.opcheck: the schema (mutations declared as
-the kernels do them), the fake kernels of gradfuse/ops/fake.py against the real outputs (shapes,
-dtypes, devices), the autograd registration and the AOT-dispatch path, for each dtype the ops
-take, over odd sizes, empty tensors and non-finite values. (An empty list has no tensor to
-dispatch on: the wrappers in gradfuse.ops answer it without calling the op.)"""
+"""Every compiled op of gradfuse through torch.library.opcheck.
+
+It checks the schema (mutations declared as the kernels do them), the fake kernels of
+gradfuse/ops/fake.py against the real outputs (shapes, dtypes, devices), the autograd registration
+and the AOT-dispatch path, for each dtype the ops take, over odd sizes, empty tensors and non-finite
+values. (An empty list has no tensor to dispatch on: the wrappers in gradfuse.ops answer it without
+calling the op.)"""
 import math
 
 import pytest
@@ -12,7 +14,8 @@ from gradfuse.ops import library
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
-OPS = ["multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats", "multi_tensor_unit_scale_",
+OPS = ["multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats",
+       "multi_tensor_unit_scale_",
        "multi_tensor_clamp_", "multi_tensor_exponent_histogram"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -73,7 +76,8 @@ def test_every_op_of_the_library_is_checked():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("name, case", [(n, c) for n in OPS for c in CASES
-                                         if (c != "nan" or n in NAN_OPS) and (c != "non_finite" or n not in FINITE_ONLY_OPS)])
+                                         if (c != "nan" or n in NAN_OPS)
+                                         and (c != "non_finite" or n not in FINITE_ONLY_OPS)])
 def test_opcheck(name, case, dtype, device):
     op = getattr(torch.ops.gradfuse, name)
     tensors = tensors_for(case, dtype, device)

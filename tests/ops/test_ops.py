@@ -3,13 +3,12 @@ import math
 
 import pytest
 import torch
+from helpers import assert_stats_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradfuse import ops
-
 from gradfuse.ops import library
-from helpers import assert_stats_close
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 

@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
+from clip_helpers import assert_unit_stats_close
+from helpers import assert_stats_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradfuse import ops
-
 from gradfuse.ops import library, reference
-from clip_helpers import assert_unit_stats_close
-from helpers import assert_stats_close
 
 CHUNK = 65536
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -115,7 +114,7 @@ def test_reference_clamp_matches_clip_grad_value(dtype, clip_value):
     else:
         torch.nn.utils.clip_grad_value_(params, clip_value, foreach=True)
     f, c, clamped = reference.multi_tensor_clamp_(tensors, clip_value)
-    for t, p, b in zip(tensors, params, before):
+    for t, p, _ in zip(tensors, params, before):
         torch.testing.assert_close(t, p.grad, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(torch.signbit(t), torch.signbit(p.grad))
     expect_changed = [int(((t != b) & ~b.isnan()).sum()) for t, b in zip(tensors, before)]
@@ -287,7 +286,8 @@ def test_clamp_matches_clip_grad_value_bitwise(dtype, cpu_capability, clip_value
     f, c, clamped = ops.multi_tensor_clamp_(tensors, clip_value)
     for got, exp in zip(tensors, expect):
         torch.testing.assert_close(got, exp, rtol=0, atol=0, equal_nan=True)
-        assert torch.equal(torch.signbit(got)[~exp.isnan()], torch.signbit(exp)[~exp.isnan()])  # NaN's sign: torch's vector / tail paths differ
+        # NaN's sign: torch's vector / tail paths differ
+        assert torch.equal(torch.signbit(got)[~exp.isnan()], torch.signbit(exp)[~exp.isnan()])
     assert clamped.tolist() == [int(((a != b) & ~b.isnan()).sum()) for a, b in zip(tensors, before)]
     assert_stats_close(before, (f, c))
     rf, rc = reference.multi_tensor_stats(before, 2.0)

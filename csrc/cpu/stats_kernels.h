@@ -1,5 +1,5 @@
 // Interface between the CPU op (stats_cpu.cpp) and the per-chunk kernels, which are compiled
-// once per instruction set (kernels_default.cpp, kernels_avx2.cpp) and picked at run time, as
+// once per instruction set (stats_clip_kernels_default.cpp, stats_clip_kernels_avx2.cpp) and picked at run time, as
 // PyTorch does with its DispatchStub: a default build still runs on a CPU without AVX2.
 #pragma once
 

@@ -22,7 +22,7 @@
 #endif
 
 #include "../common/chunk_plan.h"
-#include "kernels.h"
+#include "stats_kernels.h"
 
 namespace gradfuse::cpu::CPU_CAPABILITY {
 namespace {
@@ -89,6 +89,22 @@ struct LaneSums {
     sum = sum + a.sum + b.sum;
     sumsq = sumsq + a.sumsq + b.sumsq;
     if constexpr (mode != PowMode::kNone) powsum = powsum + a.powsum + b.powsum;
+  }
+
+  // The lanes added in lane order into a chunk's row (whose sums start at 0).
+  template <PowMode mode>
+  inline void fold_into(StatsAcc<acc_t>& s) const {
+    s.sum += lane_sum(sum);
+    s.sumsq += lane_sum(sumsq);
+    if constexpr (mode != PowMode::kNone) s.powsum += lane_sum(powsum);
+  }
+
+  static inline acc_t lane_sum(const V& v) {
+    acc_t b[V::size()];
+    v.store(b);
+    acc_t t = 0;
+    for (int i = 0; i < V::size(); ++i) t += b[i];
+    return t;
   }
 };
 
@@ -179,19 +195,14 @@ StatsAcc<acc_of<scalar_t>> reduce_vectorized(const scalar_t* x, int64_t n, doubl
   }
   top.template add<mode>(mid, no_sums);
   StatsAcc<acc_t> s;
-  acc_t b_sum[VA::size()], b_sq[VA::size()], b_pow[VA::size()], b_max0[VA::size()], b_max1[VA::size()];
-  top.sum.store(b_sum);
-  top.sumsq.store(b_sq);
-  top.powsum.store(b_pow);
+  top.template fold_into<mode>(s);
+  acc_t b_max0[VA::size()], b_max1[VA::size()];
   l0.maxabs.store(b_max0);
   l1.maxabs.store(b_max1);
   const VA zero_lanes = l0.zero + l1.zero;  // exact: at most a chunk per lane
   acc_t b_zero[VA::size()];
   zero_lanes.store(b_zero);
   for (int i = 0; i < VA::size(); ++i) {  // in lane order
-    s.sum += b_sum[i];
-    s.sumsq += b_sq[i];
-    s.powsum += b_pow[i];
     s.maxabs = nan_max(s.maxabs, nan_max(b_max0[i], b_max1[i]));
     s.zero += static_cast<int64_t>(b_zero[i]);
   }
@@ -277,15 +288,6 @@ inline void prefetch_ahead(const char* bytes, int64_t nbytes, int64_t ahead, con
   }
 }
 
-// Lane sums in lane order (as reduce_vectorized adds them).
-inline float lane_sum_ps(__m256 v) {
-  alignas(32) float b[8];
-  _mm256_store_ps(b, v);
-  float s = 0.f;
-  for (int k = 0; k < 8; ++k) s += b[k];
-  return s;
-}
-
 // Pass 1 over one chunk of float32 on AVX2: reduce_vectorized's blocked sums, with the other
 // statistics in fewer operations per vector: max |x| as max(max x, -min x) (no |x| per element;
 // both ignore NaN like the float lanes did, and pass 2 restores it), the zero count as an
@@ -363,9 +365,7 @@ StatsAcc<float> reduce_f32(const float* x, int64_t n, double p, const char* pf) 
   }
   top.template add<mode>(mid, no_sums);
   StatsAcc<float> s;
-  s.sum = lane_sum_ps(top.sum);
-  s.sumsq = lane_sum_ps(top.sumsq);
-  if constexpr (mode != PowMode::kNone) s.powsum = lane_sum_ps(top.powsum);
+  top.template fold_into<mode>(s);
   const __m256 neg_min = _mm256_sub_ps(zero_ps, _mm256_min_ps(mn0, mn1));
   s.maxabs = hmax_ps(_mm256_max_ps(_mm256_max_ps(mx0, mx1), neg_min));
   s.zero = hsum_epi32(_mm256_add_epi32(z0, z1)) - padded;
@@ -463,15 +463,7 @@ StatsAcc<float> reduce_16bit(const scalar_t* x, int64_t n, double p, const char*
   }
   top.template add<mode>(mid, no_sums);
   StatsAcc<float> s;
-  float b_sum[VA::size()], b_sq[VA::size()], b_pow[VA::size()];
-  top.sum.store(b_sum);
-  top.sumsq.store(b_sq);
-  top.powsum.store(b_pow);
-  for (int k = 0; k < VA::size(); ++k) {  // in lane order
-    s.sum += b_sum[k];
-    s.sumsq += b_sq[k];
-    s.powsum += b_pow[k];
-  }
+  top.template fold_into<mode>(s);
   alignas(32) uint16_t b_max[kStep], b_zero[kStep];
   _mm256_store_si256(reinterpret_cast<__m256i*>(b_max), max_bits);
   _mm256_store_si256(reinterpret_cast<__m256i*>(b_zero), zero_lanes);
@@ -513,7 +505,7 @@ inline StatsAcc<acc_of<scalar_t>> reduce_chunk(const scalar_t* x, int64_t n, dou
   return s;
 }
 
-// StatsTensorsFn (kernels.h) for one dtype and mode.
+// StatsTensorsFn (stats_kernels.h) for one dtype and mode.
 template <typename scalar_t>
 double tensor_shift(const Span& span) {
   return static_cast<double>(moment_shift<acc_of<scalar_t>>(static_cast<const scalar_t*>(span.data), span.numel));
@@ -610,30 +602,36 @@ void stats_chunks_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, i
   }
 }
 
+// x[0, n) *= c in place, vectorised; the tail with scale_element. The one scale loop of the CPU
+// backend: multi_tensor_scale_ (scale_chunks) and the per-unit scale (clip_kernels_impl.h).
 template <typename scalar_t>
-void scale_chunks_typed(const ChunkArgs& args, double coef, int64_t begin, int64_t end) {
+void scale_span(scalar_t* x, int64_t n, acc_of<scalar_t> c) {
   using acc_t = acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
-  const acc_t c = static_cast<acc_t>(coef);
   const VA cv(c);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    for (; i + VA::size() <= n; i += VA::size()) (VA::loadu(x + i) * cv).store(x + i);
+  } else {
+    constexpr int64_t kStep = Vectorized<scalar_t>::size();
+    for (; i + kStep <= n; i += kStep) {
+      VA lo, hi;
+      at::vec::load_to_float<scalar_t>(x + i, lo, hi);
+      at::vec::convert_from_float<scalar_t>(lo * cv, hi * cv).store(x + i);
+    }
+  }
+  for (; i < n; ++i) x[i] = scale_element<scalar_t, acc_t>(x[i], c);
+}
+
+template <typename scalar_t>
+void scale_chunks_typed(const ChunkArgs& args, double coef, int64_t begin, int64_t end) {
+  const auto c = static_cast<acc_of<scalar_t>>(coef);
   int64_t t = owner_of_chunk(args.first_chunk, args.num_tensors, begin);
   for (int64_t chunk = begin; chunk < end; ++chunk) {
     while (args.first_chunk[t + 1] <= chunk) ++t;
     const int64_t offset = (chunk - args.first_chunk[t]) * kChunkElems;
     const int64_t n = std::min(kChunkElems, args.spans[t].numel - offset);
-    scalar_t* x = static_cast<scalar_t*>(args.spans[t].data) + offset;
-    int64_t i = 0;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      for (; i + VA::size() <= n; i += VA::size()) (VA::loadu(x + i) * cv).store(x + i);
-    } else {
-      constexpr int64_t kStep = Vectorized<scalar_t>::size();
-      for (; i + kStep <= n; i += kStep) {
-        VA lo, hi;
-        at::vec::load_to_float<scalar_t>(x + i, lo, hi);
-        at::vec::convert_from_float<scalar_t>(lo * cv, hi * cv).store(x + i);
-      }
-    }
-    for (; i < n; ++i) x[i] = scale_element<scalar_t, acc_t>(x[i], c);
+    scale_span<scalar_t>(static_cast<scalar_t*>(args.spans[t].data) + offset, n, c);
   }
 }
 

@@ -19,6 +19,6 @@
 #endif
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
-#include "kernels_impl.h"
+#include "stats_kernels_impl.h"
 #include "clip_kernels_impl.h"  // the clipping kernels, same instruction set
 #endif
