@@ -14,8 +14,15 @@ strategy); ``gradfuse.viz``; ``gradfuse.integrations``; and at the top the demo 
 This module re-exports the public names.
 """
 from gradfuse.activations import ActivationCapture, ActivationStats, capture_activations
-from gradfuse.clip import (ZClip, adaptive_clip_grad_, clip_, clip_grad_norm_, clip_grad_value_,
-                           clip_grads_with_norm_, get_total_norm)
+from gradfuse.clip import (
+    ZClip,
+    adaptive_clip_grad_,
+    clip_,
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    get_total_norm,
+)
 from gradfuse.core.amp import unscale_clip_
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.watch import GradWatch, watch
@@ -23,12 +30,22 @@ from gradfuse.dynamics import NoiseScale
 from gradfuse.functional import stats, tensor_stats
 from gradfuse.integrations.pytorch import Attachment, attach
 from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
-from gradfuse.monitor.sinks import (JsonlSink, LoggingSink, MetricsSink, MLflowSink, PrometheusSink, Sink,
-                                    TensorBoardSink, WandbSink)
+from gradfuse.monitor.sinks import (
+    JsonlSink,
+    LoggingSink,
+    MetricsSink,
+    MLflowSink,
+    PrometheusSink,
+    Sink,
+    TensorBoardSink,
+    WandbSink,
+)
 from gradfuse.ops import backend, build_info
 
-# The module paths users import, as attributes of the package, as they always were.
-from gradfuse import headroom, histogram, sinks  # noqa: E402,F401  (after the names they re-export)
+# isort: split
+# gradfuse.headroom, .histogram and .sinks as attributes of the package too (imported after the
+# names they re-export).
+from gradfuse import headroom, histogram, sinks  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,9 @@
-// Single-thread A/B of the AVX2 stats kernel: the working tree's csrc/cpu/kernels_avx2.cpp against
-// kernels_impl.h of an older commit (old_impl.h, made by run.sh), interleaved, medians of 11;
+// Single-thread A/B of the AVX2 stats kernel: the working tree's csrc/cpu/stats_clip_kernels_avx2.cpp
+// against the stats kernels (kernels_impl.h) of an older commit (old_impl.h, made by run.sh),
+// interleaved, medians of 11;
 // "read" is a plain 4-accumulator AVX2 sum over the same bytes. "hot" rows reread a 128 KB
 // (fp32) / 64 KB (16-bit) tensor 2000 times: the in-cache compute rate per core.
-#include "../../csrc/cpu/kernels_avx2.cpp"
+#include "../../csrc/cpu/stats_clip_kernels_avx2.cpp"
 #include "old_impl.h"
 #include <chrono>
 #include <cstdio>
@@ -19,7 +20,7 @@ double run1(Fn f, std::vector<Span>& spans, c10::ScalarType dt) {
   for (auto&s:spans){fc.push_back(next); next += (s.numel+kChunkElems-1)/kChunkElems;}
   fc.push_back(next);
   ChunkArgs a{spans.data(), (int64_t)spans.size(), fc.data(), dt};
-  std::vector<double> of(spans.size()*4); std::vector<int64_t> oc(spans.size()*4);
+  std::vector<double> of(spans.size()*kNumFloatStats); std::vector<int64_t> oc(spans.size()*kNumCountStats);
   auto t0=std::chrono::steady_clock::now();
   f(a, PowMode::kNone, 2.0, 0, next, nullptr, nullptr, of.data(), oc.data());
   double t=std::chrono::duration<double>(std::chrono::steady_clock::now()-t0).count();

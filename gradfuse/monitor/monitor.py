@@ -78,7 +78,9 @@ class GradMonitor:
             circuit breaker. Clipping would still apply a full ``max_norm`` step in the direction
             of a gradient that is mostly noise, and without clipping the spike enters Adam's
             second moments and shrinks the learning rate for thousands of steps.
-        sinks: objects with ``write(record: dict)`` (see ``gradfuse.monitor.sinks``).
+        sinks: where the records go: objects with ``write(record: dict)``, the
+            [`Sink`][gradfuse.Sink] protocol (JSONL, TensorBoard, W&B, MLflow, Prometheus, logging,
+            or your own); a failing sink never stops training.
         layer_depth: how parameters are grouped into layers for the per-layer aggregates.
             None (default): by module path up to the first block index (``transformer.h.3``,
             ``layers.0``; ``lm_head`` for parameters outside numbered blocks); an int: that many

@@ -3,7 +3,6 @@ integration: hooks armed for the steps the framework logs, act/ metrics in its l
 import math
 
 import pytest
-import torch
 
 
 def forward_hooks(model):
@@ -57,8 +56,8 @@ def test_lightning_trace_nonfinite_names_the_module():
 
 def test_hf_trainer_logs_activations_on_its_logging_steps(tmp_path):
     pytest.importorskip("transformers")
-    from transformers_harness import Tokens, tiny_gpt2, train
     from transformers import Trainer, TrainingArguments
+    from transformers_harness import Tokens, tiny_gpt2, train
 
     from gradfuse.integrations.transformers import attach
 

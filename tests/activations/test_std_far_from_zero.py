@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from helpers import NoFloat64
 from torch import nn
 
 import gradfuse
 from gradfuse.core.grad_stats import layer_of
-from helpers import NoFloat64
 
 
 class Block(nn.Module):

@@ -1,8 +1,6 @@
 """GradMonitor policies, host-sync discipline, sinks read back, the plot, memory over a long run."""
 import io
-import json
 import math
-import os
 import tracemalloc
 import warnings
 
@@ -11,7 +9,7 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import GradMonitor, GradientAnomaly, JsonlSink
+from gradfuse import GradientAnomaly, GradMonitor, JsonlSink
 from gradfuse.sinks import LoggingSink, MetricsSink, read_jsonl
 
 

@@ -94,7 +94,6 @@ def test_read_only_then_recovers_back_off_schedule():
 
 def test_closed_writer():
     """A sink whose file was closed under it (ValueError: I/O operation on closed file)."""
-    model = make_model()
     path_sink = JsonlSink(os.devnull)
     path_sink.close()
     mon, good, warned = run_with_failing_sink(path_sink)

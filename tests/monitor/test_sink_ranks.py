@@ -51,8 +51,8 @@ def test_one_chosen_rank(ranks_dir):
 
 
 def test_without_a_process_group_every_record_is_written_without_rank():
-    from torch import nn
     import torch
+    from torch import nn
     got = []
 
     class Keep:

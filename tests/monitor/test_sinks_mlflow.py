@@ -8,10 +8,10 @@ from torch import nn
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("matplotlib")
+from helpers import ListSink  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from gradfuse import GradMonitor, MLflowSink  # noqa: E402
-from helpers import ListSink
 
 
 def make_model():

@@ -7,13 +7,13 @@ from torch import nn
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("matplotlib")
+from helpers import ListSink
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from gradfuse import GradMonitor, TensorBoardSink  # noqa: E402
 from gradfuse.monitor.figures import gradflow_figure  # noqa: E402
 from gradfuse.sinks import exponent_buckets  # noqa: E402
-from helpers import ListSink
 
 
 def make_model():
@@ -80,7 +80,7 @@ def test_histograms_and_images_in_the_event_files(tmp_path):
         images = acc.Images(tag)
         assert [i.step for i in images] == [2, 6, 7]
         assert all(i.encoded_image_string.startswith(b"\x89PNG") and i.width > 100 for i in images)
-    # scalars as before
+    # the scalars on every logged step, beside the pictures
     assert [s.step for s in acc.Scalars("grad/total_norm")] == logged
 
 
@@ -119,7 +119,7 @@ def test_activation_exponent_histograms_in_the_event_files(tmp_path):
                 # every finite non-zero element the layer's outputs (or their gradients) held
                 assert 0 < h.num == sum(counts) == n - agg["zero_count"] - agg["nan_count"] - agg["inf_count"]
     assert any(r["act"]["1"]["zero_count"] for r in with_act)  # the ReLU's zeros are left out
-    # the gradient histograms as before, on every logged step
+    # the gradient histograms beside them, on every logged step
     assert [e.step for e in acc.Histograms("grad_exponent/0")] == logged
     assert sorted(t for t in tags if t.startswith("grad_exponent/")) == ["grad_exponent/0", "grad_exponent/2"]
 

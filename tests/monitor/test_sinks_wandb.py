@@ -15,9 +15,10 @@ from torch import nn
 wandb = pytest.importorskip("wandb")
 pytest.importorskip("matplotlib")
 
+from helpers import ListSink  # noqa: E402
+
 from gradfuse import GradMonitor, WandbSink  # noqa: E402
 from gradfuse.sinks import exponent_buckets  # noqa: E402
-from helpers import ListSink
 
 
 def read_run_file(path):
@@ -58,7 +59,7 @@ def finished_run_records(root, timeout=60.0):
 
 
 def history(records):
-    """step -> {key path: value} of the history records."""
+    """Step -> {key path: value} of the history records."""
     out = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
@@ -166,7 +167,7 @@ def test_offline_run_holds_the_activation_exponent_histograms(offline):
                 assert row[(f"{prefix}/{layer}", "_type")] == "histogram"
                 assert row[(f"{prefix}/{layer}", "values")] == counts
                 assert row[(f"{prefix}/{layer}", "bins")] == edges
-        assert row[("grad_exponent/0", "_type")] == "histogram"  # the gradients' as before
+        assert row[("grad_exponent/0", "_type")] == "histogram"  # the gradients' histograms beside them
     assert not any(k[0].startswith("activation_") for k in rows[3])  # step 3, logged on close: no hooks
 
 
