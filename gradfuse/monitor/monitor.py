@@ -30,10 +30,11 @@ from gradfuse.clip.value import check_clip_value
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.params import check_norm_type
 from gradfuse.core.watch import watch
+from gradfuse.monitor import recorder as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message
 from gradfuse.monitor.dynamics import Dynamics
-from gradfuse.monitor.policies import Decision, anomaly_flags, check_policy, decide
+from gradfuse.monitor.policies import SPIKE_POLICIES, Decision, anomaly_flags, check_policy, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
 from gradfuse.monitor.report import GradientAnomaly, StepReport, anomaly_message
 from gradfuse.monitor.sink_set import SinkSet
@@ -124,9 +125,21 @@ class GradMonitor:
             only rank 0 writes), another rank number, or ``"all"`` (every rank writes its own
             records, each with a ``rank`` key; give each rank its own file or tracker run).
             Without a process group of two or more, every record is written and has no ``rank``.
+        recorder: a flight recorder (see [`FlightRecorder`][gradfuse.FlightRecorder]): ``True``
+            (64 steps), an int (that many steps) or a ``FlightRecorder``. It keeps the last
+            steps' per-layer statistics on the device (no host read), detects spikes of the
+            loss (``step(loss=...)``), the gradient norm and the update norm, and on every
+            anomaly a policy acts on (non-finite, explode, spike; not ``"ignore"``) writes a dump
+            that ``python -m gradfuse explain`` reads; the step's record gets its path
+            (``dump``). Counters ``spike_steps``, ``dumps``, ``failed_dumps``.
+        on_spike: with ``recorder``: the policy for a spike (the same choices as ``on_explode``,
+            plus ``"dump"``: the dump alone, no warning). Every policy but ``"ignore"`` writes
+            a dump; ``"ignore"``: spikes are recorded in the ring (and shown by a dump), not
+            acted on or counted. The spike is one more bit of the one flag a policy reads.
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
+    The flight recorder adds none of its own on a quiet step.
 
     Sinks never stop training: see ``write`` for what happens when one raises. What the sinks
     get (the record's keys, the metric names) is listed on the Data reference page.
@@ -142,6 +155,8 @@ class GradMonitor:
             ``"ignore"`` and neither a scaler nor ``trace_nonfinite`` needs the check).
         explode_steps (int): Steps whose total norm exceeded ``explode_threshold``.
         amp_overflow_steps (int): GradScaler steps with Inf/NaN gradients (the scaler's to skip).
+        spike_steps (int): Steps a spike policy acted on (with ``recorder``).
+        recorder (FlightRecorder | None): The flight recorder, or None.
         sinks (list): The sinks, in the order given; see ``sink_health``.
         max_norm: The clip threshold as given: None, a number, a schedule or a ``ZClip``.
         norm_type (float): The order of the total norm.
@@ -192,9 +207,13 @@ class GradMonitor:
                  agc_eps: float = 1e-3, check_double_clip: bool = True,
                  noise_scale=False, update_ratios=False,
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
-                 module: nn.Module | None = None, sink_ranks: int | str = 0):
+                 module: nn.Module | None = None, sink_ranks: int | str = 0, recorder=None,
+                 on_spike: str = "warn"):
         check_policy("on_nonfinite", on_nonfinite)
         check_policy("on_explode", on_explode)
+        check_policy("on_spike", on_spike, SPIKE_POLICIES)
+        self.recorder = flight.as_recorder(recorder)
+        self.on_spike, self.spike_steps = (on_spike if self.recorder is not None else "ignore"), 0
         if explode_threshold is not None and not explode_threshold > 0:
             raise ValueError(f"gradfuse.GradMonitor: explode_threshold must be > 0, got {explode_threshold!r}")
         if every < 0:
@@ -254,6 +273,8 @@ class GradMonitor:
         if noise_scale or update_ratios:
             self.dynamics = Dynamics(noise_scale, update_ratios, optimizer=optimizer,
                                      names_by_param=self._names_by_param, layer_depth=layer_depth)
+        flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
+                         self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
         self._act_hooks = None
         if activations or trace_nonfinite:
             self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
@@ -335,7 +356,7 @@ class GradMonitor:
         return self.scaler is not None and self.scaler.is_enabled()
 
     def _needs_flag(self) -> bool:
-        return (self.on_nonfinite != "ignore" or self.on_explode != "ignore"
+        return (self.on_nonfinite != "ignore" or self.on_explode != "ignore" or self.on_spike != "ignore"
                 or self._amp_active()
                 or (self._act_hooks is not None and self._act_hooks.trace_nonfinite))
 
@@ -348,7 +369,7 @@ class GradMonitor:
         return self.scaler._per_optimizer_states[id(self.optimizer)]["stage"] is OptState.READY
 
     @torch.no_grad()
-    def step(self, log: bool | None = None) -> StepReport:
+    def step(self, log: bool | None = None, loss=None) -> StepReport:
         """Takes this step's statistics (and clips when ``max_norm`` is set), applies the policies,
         logs when due, and says whether to skip the optimizer step.
 
@@ -361,6 +382,8 @@ class GradMonitor:
         Args:
             log: True / False log this step or not (an integration following its framework's
                 logging cadence); None: every ``every`` steps. Anomalies are logged either way.
+            loss: this step's loss (a tensor, read on the device, or a number), for the flight
+                recorder (its loss column and loss spikes); ignored without ``recorder``.
 
         Returns:
             What the step saw and decided: ``skip`` (do not take the optimizer
@@ -397,6 +420,7 @@ class GradMonitor:
             report.activations = capture
         if self._act_hooks is not None:  # hooks for the next step's forward and backward
             self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
+        flight.observe(self.recorder, step, report, loss)
         decision = self._apply_policies(plan, report, capture)
         self._clip(plan, report)
         self._finish(plan, report, decision)
@@ -426,12 +450,13 @@ class GradMonitor:
         """The anomalies of the step and what the policies make of them: the counters, the
         message, and a raise, a skip or a warning."""
         s = report.stats
-        flags = int(anomaly_flags(s, self.explode_threshold)) if len(s) and self._needs_flag() else 0
+        spiked = self.recorder.spiked if self.on_spike != "ignore" else None
+        flags = int(anomaly_flags(s, self.explode_threshold, spiked)) if len(s) and self._needs_flag() else 0
         decision = decide(flags, amp_active=self._amp_active(), bad_max_norm=plan.bad_max_norm is not None,
-                          on_nonfinite=self.on_nonfinite, on_explode=self.on_explode)
+                          on_nonfinite=self.on_nonfinite, on_explode=self.on_explode, on_spike=self.on_spike)
         report.anomalies = decision.anomalies
         for anomaly, counter in (("amp_overflow", "amp_overflow_steps"), ("nonfinite", "nonfinite_steps"),
-                                 ("explode", "explode_steps")):
+                                 ("explode", "explode_steps"), ("spike", "spike_steps")):
             if anomaly in decision.anomalies:
                 setattr(self, counter, getattr(self, counter) + 1)
         if plan.bad_max_norm is not None and self.on_nonfinite == "raise":
@@ -439,10 +464,11 @@ class GradMonitor:
             raise plan.bad_max_norm
         if decision.counts_as_anomaly:
             self.anomaly_steps += 1
-            report.message, report.first_nonfinite = anomaly_message(s, report.anomalies, self.explode_threshold,
-                                                                     capture, plan.bad_max_norm)
+            report.message, report.first_nonfinite, report.spikes = anomaly_message(
+                s, report.anomalies, self.explode_threshold, capture, plan.bad_max_norm, self.recorder)
         if decision.raises:
             plan.leave_unscaled(s)  # the gradients in true units, for inspection
+            flight.commit_step(self.recorder, report, decision, raising=True)
             self._write(report, event=True)
             raise GradientAnomaly(report.message, report)
         # An AMP overflow step is the scaler's to skip: scaler.step/update must still run.
@@ -468,6 +494,7 @@ class GradMonitor:
     def _finish(self, plan: StepPlan, report: StepReport, decision: Decision) -> None:
         """The dynamics of the step, and its record to the sinks on logging steps and on
         anomalies a policy acted on."""
+        flight.commit_step(self.recorder, report, decision)
         if self.dynamics is not None:
             self.dynamics.on_step(report, plan.log_now,
                                   self.scaler._scale if self._amp_active() else None)
@@ -547,7 +574,8 @@ class GradMonitor:
         Returns:
             A dict of ints: ``steps`` (steps taken), ``clipped_steps`` (reads a device counter),
                 ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
-                ``amp_overflow_steps``, ``dropped_records``.
+                ``amp_overflow_steps``, ``dropped_records``; with ``recorder`` also
+                ``spike_steps``, ``dumps``, ``failed_dumps``.
 
         Example:
             ```python
@@ -558,7 +586,7 @@ class GradMonitor:
         out = {"steps": self.step_count, "clipped_steps": self.clipped_steps}
         out.update({name: getattr(self, name) for name in COUNTERS})
         out["dropped_records"] = self.dropped_records
-        return out
+        return {**out, **flight.recorder_counters(self)}
 
     def record(self, report: StepReport, event: bool = False) -> dict:
         """The record the sinks get for ``report`` (reads its statistics: one transfer).
@@ -620,7 +648,8 @@ class GradMonitor:
         Returns:
             A dict: ``version``, ``step`` (the next step number), ``clipped_steps`` and the other
                 counters; with a ``ZClip`` ``max_norm`` its state (``zclip``), with the noise scale
-                or update ratios theirs (``dynamics``).
+                or update ratios theirs (``dynamics``), with a flight recorder ``spike_steps`` and
+                its counters and spike histories (``recorder``).
 
         Example:
             ```python
@@ -634,7 +663,7 @@ class GradMonitor:
             state["zclip"] = self.max_norm.state_dict()
         if self.dynamics is not None:
             state["dynamics"] = self.dynamics.state_dict()
-        return state
+        return {**state, **flight.recorder_state(self)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``: the next ``step`` continues the numbering and counts.
@@ -673,6 +702,7 @@ class GradMonitor:
         self._restored = True
         if isinstance(self.max_norm, ZClip) and "zclip" in state:
             self.max_norm.load_state_dict(state["zclip"])
+        flight.load_recorder_state(self, state)
 
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended

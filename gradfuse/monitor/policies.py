@@ -2,9 +2,10 @@
 
 A step is anomalous when a gradient holds NaN or Inf (``"nonfinite"``; under an enabled
 GradScaler that is the scaler's overflow, ``"amp_overflow"``, not an anomaly of the model), when
-the total norm exceeds ``explode_threshold`` (``"explode"``), or when a ``max_norm`` schedule
-gave a bad value (``"max_norm"``). Each anomaly has a policy: ``"raise"``, ``"skip"`` (the
-optimizer step), ``"warn"`` or ``"ignore"``.
+the total norm exceeds ``explode_threshold`` (``"explode"``), when a ``max_norm`` schedule
+gave a bad value (``"max_norm"``), or, with a flight recorder, when the loss, the gradient norm or
+the update norm spiked (``"spike"``). Each anomaly has a policy: ``"raise"``, ``"skip"`` (the
+optimizer step), ``"warn"`` or ``"ignore"``; a spike's also ``"dump"`` (a dump, no warning).
 
 Layer: monitor. Imports torch and ``gradfuse.core``.
 """
@@ -18,27 +19,31 @@ import torch
 from gradfuse.core.grad_stats import GradStats
 
 POLICIES = ("raise", "skip", "warn", "ignore")
-NONFINITE, EXPLODE = 1, 2  # the bits of anomaly_flags
+SPIKE_POLICIES = (*POLICIES, "dump")
+NONFINITE, EXPLODE, SPIKE = 1, 2, 4  # the bits of anomaly_flags
 
 
-def check_policy(name: str, value: str) -> str:
-    """Returns ``value`` if it is one of ``POLICIES``.
+def check_policy(name: str, value: str, choices: tuple[str, ...] = POLICIES) -> str:
+    """Returns ``value`` if it is one of ``choices`` (``POLICIES``).
 
     Raises:
         ValueError: ``value`` is not; the message names the argument ``name``.
     """
-    if value not in POLICIES:
-        raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {POLICIES}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"gradfuse.GradMonitor: {name} must be one of {choices}, got {value!r}")
     return value
 
 
-def anomaly_flags(s: GradStats, explode_threshold: float | None) -> torch.Tensor:
+def anomaly_flags(s: GradStats, explode_threshold: float | None, spiked: torch.Tensor | None = None) -> torch.Tensor:
     """A 0-d int32 device tensor: ``NONFINITE`` when a gradient holds NaN or Inf, plus
-    ``EXPLODE`` when the total norm exceeds ``explode_threshold``; reading it is the one host
-    sync of a quiet step that has a policy."""
+    ``EXPLODE`` when the total norm exceeds ``explode_threshold``, plus ``SPIKE`` when
+    ``spiked`` (the flight recorder's 0-d bool) is true; reading it is the one host sync of a
+    quiet step that has a policy."""
     flag = s.nonfinite.to(torch.int32)
     if explode_threshold is not None:
         flag = flag + EXPLODE * (s.plain_total_norm.to(s.floats.dtype) > explode_threshold).to(torch.int32)
+    if spiked is not None:
+        flag = flag + SPIKE * spiked.to(flag.device, torch.int32)
     return flag
 
 
@@ -71,12 +76,13 @@ class Decision:
 
 
 def decide(flags: int, *, amp_active: bool, bad_max_norm: bool, on_nonfinite: str,
-           on_explode: str) -> Decision:
+           on_explode: str, on_spike: str = "ignore") -> Decision:
     """The decision for a step whose ``anomaly_flags`` read ``flags``. Under an enabled
     GradScaler, non-finite gradients are its overflow: the scaler skips that step and lowers its
     scale, so no policy applies (and the gradients are left to it). A bad ``max_norm`` from a
-    schedule is under ``on_nonfinite``."""
+    schedule is under ``on_nonfinite``; a spike under ``on_spike``."""
     d = Decision()
+    spiked = bool(flags & SPIKE)
     if flags & NONFINITE and amp_active:
         d.anomalies.append("amp_overflow")
         flags = 0
@@ -89,6 +95,9 @@ def decide(flags: int, *, amp_active: bool, bad_max_norm: bool, on_nonfinite: st
     if bad_max_norm:
         d.anomalies.append("max_norm")
         d.policies.append(on_nonfinite)
+    if spiked:
+        d.anomalies.append("spike")
+        d.policies.append(on_spike)
     return d
 
 

@@ -51,6 +51,7 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now) -> dict:
         **(_headroom_fields(monitor.source, monitor.layer_depth) if monitor.histogram else {}),
         **extra,
         **_activation_fields(report, monitor.layer_depth),
+        **({"dump": str(report.dump)} if report.dump is not None else {}),
     }
 
 
@@ -102,7 +103,9 @@ def run_config(monitor, activations: bool) -> dict:
             "activations": activations,
             "noise_scale": bool(dyn is not None and dyn.noise_scale is not None),
             "update_ratios": bool(dyn is not None and dyn.update_ratios is not None),
-            "sink_ranks": monitor.sink_ranks}
+            "sink_ranks": monitor.sink_ranks,
+            **({"recorder": monitor.recorder.steps, "on_spike": monitor.on_spike}
+               if monitor.recorder is not None else {})}
 
 
 def writing_rank(sink_ranks: int | str):

@@ -6,6 +6,7 @@ Layer: monitor. Imports ``gradfuse.core`` and the monitor's policies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.monitor.policies import describe
@@ -52,7 +53,8 @@ class StepReport:
             they were, unclipped, for inspection.
         logged (bool): The step's record was written to the sinks.
         anomalies (list[str]): What fired: ``"nonfinite"``, ``"explode"``, ``"max_norm"`` (a bad
-            ``max_norm`` schedule value), or ``"amp_overflow"`` (a GradScaler step with Inf/NaN
+            ``max_norm`` schedule value), ``"spike"`` (with a flight recorder: the loss, gradient
+            norm or update norm spiked), or ``"amp_overflow"`` (a GradScaler step with Inf/NaN
             gradients: the scaler skips it and lowers its scale; not counted as an anomaly of
             the model).
         message (str): The anomaly message naming the parameters at fault (``""`` when none).
@@ -62,6 +64,9 @@ class StepReport:
         first_nonfinite (tuple[str, str] | None): With ``trace_nonfinite=True``, on a step with
             non-finite gradients: ``("forward" | "backward", module)``, where the first NaN / Inf
             appeared; else None.
+        spikes (list[str]): With a flight recorder, on a ``"spike"`` step: the quantities that
+            spiked (``"loss"``, ``"grad_norm"``, ``"update_norm"``).
+        dump (Path | None): The flight recorder's dump written for this step, or None.
 
     Example:
         ```python
@@ -82,10 +87,13 @@ class StepReport:
     # cap.backward); trace_nonfinite=True: ("forward" | "backward", module) on non-finite steps.
     activations: object | None = None
     first_nonfinite: tuple[str, str] | None = None
+    spikes: list[str] = field(default_factory=list)  # with a flight recorder: the quantities that spiked
+    dump: Path | None = None  # the flight recorder's dump of this step
 
 
 def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float | None, capture,
-                    bad_max_norm: Exception | None) -> tuple[str, tuple[str, str] | None]:
+                    bad_max_norm: Exception | None,
+                    recorder=None) -> tuple[str, tuple[str, str] | None, list[str]]:
     """The message of a step with an anomaly of the model, and where its first NaN / Inf appeared.
 
     Args:
@@ -94,12 +102,13 @@ def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float
         explode_threshold: The monitor's explosion threshold.
         capture: The step's ``ActivationCapture`` (full or trace-only), or None.
         bad_max_norm: The error of a bad ``max_norm`` schedule value at this step, or None.
+        recorder: The monitor's ``FlightRecorder``, for a ``"spike"`` (or None).
 
     Returns:
-        ``(message, first_nonfinite)``: the parameters at fault (``policies.describe``), led by
-            the module where the first NaN / Inf appeared when the capture traced it, followed by
-            the schedule's error; and ``StepReport.first_nonfinite`` (None unless a capture saw
-            the non-finite step).
+        ``(message, first_nonfinite, spikes)``: the parameters at fault (``policies.describe``),
+            led by the module where the first NaN / Inf appeared when the capture traced it,
+            followed by the schedule's error and the spike's description; ``StepReport.first_nonfinite``
+            (None unless a capture saw the non-finite step); and the quantities that spiked.
     """
     message = describe(s, anomalies, explode_threshold)
     first_nonfinite = None
@@ -110,4 +119,8 @@ def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float
             message = f"{origin}; {message}"
     if bad_max_norm is not None:
         message = "; ".join(m for m in (message, str(bad_max_norm)) if m)
-    return message, first_nonfinite
+    spikes = []
+    if "spike" in anomalies and recorder is not None:
+        spike, spikes = recorder.describe_spike()
+        message = "; ".join(m for m in (message, spike) if m)
+    return message, first_nonfinite, spikes

@@ -1,0 +1,641 @@
+"""The flight recorder: the last K steps of per-layer statistics in a ring buffer on the device,
+spike detection on the device, and the dump a spike (or any anomaly) leaves behind.
+
+A ``GradMonitor(recorder=...)`` writes one row per step without reading the host (a device-side
+index), decides on the device whether the loss, the total gradient norm or the total update norm
+spiked (one more bit of the monitor's one 0-d anomaly flag), and on an anomaly writes the ring
+to a file (``gradfuse.monitor.flight_dump``) that ``python -m gradfuse explain`` reads.
+
+Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.activations``, ``gradfuse.dynamics``,
+``gradfuse.ops`` and the monitor's dump file.
+"""
+from __future__ import annotations
+
+import math
+import os
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from gradfuse.activations.stats import output_layer
+from gradfuse.core.engine import fused_stats
+from gradfuse.core.layers import layer_of
+from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
+from gradfuse.monitor.flight_dump import write_dump
+from gradfuse.ops import INF, MAXABS, NAN, NUMEL, SUM, SUMSQ, stats_dtype
+from gradfuse.utils import warn
+
+SCALAR_FIELDS = ("loss", "grad_norm", "update_norm", "clip_coef", "nonfinite", "skipped")
+LAYER_FIELDS = ("grad_l2", "grad_linf", "grad_nonfinite", "update_rms", "update_ratio", "exp_avg_rms",
+                "exp_avg_sq_rms", "act_rms")
+SPIKE_QUANTITIES = ("loss", "grad_norm", "update_norm")
+LOSS, GRAD, UPDATE = 0, 1, 2  # columns of the spike quantities (and of the scalars they come from)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("gradfuse")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class FlightRecorder:
+    """The last ``steps`` steps of per-layer statistics, kept on the device, and a spike detector.
+
+    Given to ``GradMonitor(recorder=...)`` (``True``: the defaults; an int: ``steps``). It binds
+    to the monitor on its first step (the parameters, their names, the layer grouping of
+    ``layer_depth``, the device of the statistics). Every step it writes one row at a device-side
+    index, with no host read:
+
+    - scalars (``SCALAR_FIELDS``): ``loss`` (when the loop passes it: ``monitor.step(loss=loss)``,
+      ``attach`` and the integrations), ``grad_norm`` (the total norm of the monitor's
+      ``norm_type``, before clipping), ``update_norm`` (total L2 norm of the optimizer's update),
+      ``clip_coef`` (1 when nothing was clipped), ``nonfinite`` (NaN + Inf elements),
+      ``skipped`` (1 when a policy skipped the step);
+    - per layer (``LAYER_FIELDS``, layers as the monitor's records group parameters):
+      ``grad_l2``, ``grad_linf``, ``grad_nonfinite``; with an optimizer ``update_rms``
+      (sqrt(sum u^2 / numel)), ``update_ratio`` (|u| / |w|), ``exp_avg_rms`` and
+      ``exp_avg_sq_rms`` (the RMS of the Adam moments: the state as the step finds it, before
+      this step's update; the second as the RMS of sqrt of its bias-corrected value); with
+      ``GradMonitor(activations=True)``, on the steps whose activations are captured,
+      ``act_rms`` (the RMS of the layer's module outputs).
+
+    NaN marks a value that is not available at that step (no loss passed, no optimizer, a
+    skipped step's update, a layer without a gradient). Memory: ``steps x layers x 8`` float64
+    values per layer field table (``steps x layers x 64`` bytes) plus ``steps x 6`` scalars and
+    ``window x 3`` values of spike history; float32 on a device without float64.
+
+    The update is computed as the optimizer will apply it
+    (``gradfuse.dynamics.update_ratio.planned_updates``: SGD, Adam, AdamW), right before
+    ``optimizer.step()``, in temporaries freed right after. It reads the host where that function
+    does: a tensor learning rate, and Adam's step counter (a CPU tensor unless ``capturable``:
+    no wait for the device). The optimizer is ``optimizer``, else the monitor's
+    ``update_ratios`` optimizers, else the one ``gradfuse.attach`` or an integration steps.
+
+    Spikes: for each of loss, gradient norm and update norm the history is its previous
+    ``window`` finite values (of this run, or restored by ``load_state_dict``). With at least
+    ``warmup`` of them, ``(mean, std) = torch.std_mean(history)`` (unbiased) and the step is a
+    spike when ``x - mean > sigma * std``: upward only, a drop is no spike (the rule of
+    OLMo-core's ``SkipStepOptimizer``, which takes ``|x - mean|``). A skipped step's update is
+    not applied and stays out of the update history. The loss and the gradient norm are decided
+    before the monitor's policies, in the same 0-d flag the monitor reads for its other
+    policies; the update exists only after the clip, so an update-norm spike at step t is
+    recorded at step t and acted on by the policy at step t + 1 (as is a loss given after its
+    step, ``record_loss``). The message of a spike names the quantities and the layers whose
+    z-scores (against the recorded steps before) are largest.
+
+    Args:
+        steps: The ring's length K (steps kept), >= 1.
+        window: The spike history's length, >= 2.
+        warmup: The values needed before the first decision; None: ``max(20, window // 2)``.
+            At most ``window``.
+        sigma: A spike is above ``mean + sigma * std``; > 0.
+        dump_dir: Where the automatic dumps go (``<dump_dir>/step<step>-<kind>.gfdump``).
+        max_dumps: At most this many automatic dumps per run (on-demand dumps, ``dump(path)``,
+            are not bounded but are counted in ``dumps``).
+        record_updates: Record the optimizer's update statistics (when an optimizer is known).
+        optimizer: The optimizer (or a list) whose updates are recorded.
+
+    Attributes:
+        dumps (int): Dumps written.
+        failed_dumps (int): Dumps that failed to write (warned about, never raised).
+        last_dump (Path | None): The latest dump written.
+        layers (list[str]): The layers, once bound.
+
+    Raises:
+        ValueError: an argument out of range.
+
+    Example:
+        ```python
+        monitor = gradfuse.GradMonitor(model, recorder=gradfuse.FlightRecorder(steps=64),
+                                       on_spike="dump")
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if not monitor.step(loss=loss).skip:
+                optimizer.step()
+            optimizer.zero_grad()
+        monitor.recorder.dump("now.gfdump")     # on demand, any time
+        ```
+    """
+
+    def __init__(self, steps: int = 64, window: int = 128, warmup: int | None = None, sigma: float = 6.0,
+                 dump_dir: str | os.PathLike = "gradfuse_dumps", max_dumps: int = 5, record_updates: bool = True,
+                 optimizer=None):
+        warmup = max(20, window // 2) if warmup is None else warmup
+        for name, value, low in (("steps", steps, 1), ("window", window, 2), ("warmup", warmup, 2),
+                                 ("max_dumps", max_dumps, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"gradfuse.FlightRecorder: {name} must be an int >= {low}, got {value!r}")
+        if warmup > window:
+            raise ValueError(f"gradfuse.FlightRecorder: warmup ({warmup}) must be at most window ({window}): "
+                             "no step would ever be decided")
+        if not (isinstance(sigma, (int, float)) and sigma > 0):
+            raise ValueError(f"gradfuse.FlightRecorder: sigma must be > 0, got {sigma!r}")
+        self.steps, self.window, self.warmup, self.sigma = steps, window, warmup, float(sigma)
+        self.dump_dir = Path(dump_dir)
+        self.max_dumps = max_dumps
+        self.record_updates = record_updates
+        self.optimizers = ([] if optimizer is None else
+                           [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer))
+        self.dumps = 0
+        self.failed_dumps = 0
+        self.last_dump: Path | None = None
+        self.layers: list[str] = []
+        self._auto_dumps = 0
+        self._warned: set[str] = set()
+        self._bound = False
+        self._configured = False
+        self._saved_history: dict | None = None
+        self._index_cache: dict = {}
+
+    # -- binding -------------------------------------------------------------------------------
+    def configure(self, names: list[str], names_by_param: dict | None, layer_depth: int | None,
+                  norm_type: float, optimizers=()) -> None:
+        """What the monitor tells the recorder when it is made: its parameter names (in
+        order), id(parameter) -> name, its layer grouping and norm order, and the optimizers
+        whose updates to record when none was given. The ring is made on the first step, on the
+        device of the gradients.
+
+        Raises:
+            RuntimeError: the recorder is configured already (one recorder per monitor).
+        """
+        if self._configured:
+            raise RuntimeError("gradfuse.FlightRecorder: this recorder belongs to another monitor already")
+        self._configured = True
+        self.layer_depth, self.norm_type = layer_depth, float(norm_type)
+        self.layers = list(dict.fromkeys(layer_of(n, layer_depth) for n in names))
+        self._layer_index = {name: i for i, name in enumerate(self.layers)}
+        self.names = {layer: [n for n in names if layer_of(n, layer_depth) == layer] for layer in self.layers}
+        self.names_by_param = dict(names_by_param or {})
+        if not self.optimizers:
+            self.optimizers = [o for o in optimizers if o is not None]
+
+    def _bind(self, device) -> None:
+        """Makes the ring on ``device`` (the first step with gradients)."""
+        self.updates_unavailable = next((r for r in map(unavailable_reason, self.optimizers) if r), None)
+        if self.record_updates and self.updates_unavailable:
+            warn(f"gradfuse.FlightRecorder: {self.updates_unavailable}; update_* fields are NaN")
+        self.device = torch.device(device)
+        dt = self.dtype = stats_dtype(self.device)
+        K, L = self.steps, len(self.layers)
+        kw = dict(device=self.device)
+        self.scalar_ring = torch.full((K, len(SCALAR_FIELDS)), math.nan, dtype=dt, **kw)
+        self.layer_ring = torch.full((K, L, len(LAYER_FIELDS)), math.nan, dtype=dt, **kw)
+        self.step_ring = torch.zeros(K, dtype=torch.int64, **kw)
+        self.spike_ring = torch.zeros((K, 3), dtype=torch.bool, **kw)
+        self.index = torch.zeros((), dtype=torch.int64, **kw)
+        self.count = torch.zeros((), dtype=torch.int64, **kw)
+        self.history = torch.full((3, self.window), math.nan, dtype=dt, **kw)  # per quantity, a ring
+        self.history_index = torch.zeros(3, dtype=torch.int64, **kw)
+        self.history_count = torch.zeros(3, dtype=torch.int64, **kw)
+        self.bands = torch.full((3, 3), math.nan, dtype=dt, **kw)  # mean, std, count at the latest step
+        self._pending = torch.zeros(3, dtype=torch.bool, **kw)  # spikes to act on at the next step
+        self._acted = torch.zeros(3, dtype=torch.bool, **kw)  # the spikes acted on at this step
+        self.spiked = torch.zeros((), dtype=torch.bool, **kw)
+        self._committed, self._step = True, None
+        self._q = {qs: torch.tensor(qs, dtype=torch.int64, **kw) for qs in ((LOSS,), (LOSS, GRAD), (UPDATE,),
+                                                                         (LOSS, GRAD, UPDATE))}
+        self._bound = True
+        if self._saved_history is not None:
+            self._restore(self._saved_history)
+
+    @property
+    def bound(self) -> bool:
+        """Whether the recorder has bound to a monitor (its first step ran)."""
+        return self._bound
+
+    def _layer_ids(self, names: list[str]) -> torch.Tensor:
+        """The layer index of each name (``len(layers)`` for a name outside them), on the
+        device; cached per list of names (one copy to the device, no read)."""
+        key = tuple(names)
+        ids = self._index_cache.get(key)
+        if ids is None:
+            L = len(self.layers)
+            ids = torch.tensor([self._layer_index.get(layer_of(n, self.layer_depth), L) for n in names],
+                               dtype=torch.int64).to(self.device)
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            self._index_cache[key] = ids
+        return ids
+
+    def _by_layer(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Per-row values summed per layer, ``[L]`` (rows outside the layers dropped)."""
+        out = torch.zeros(len(self.layers) + 1, dtype=self.dtype, device=self.device)
+        return out.index_add_(0, ids, values.to(self.device, self.dtype))[:-1]
+
+    # -- one step ------------------------------------------------------------------------------
+    def observe(self, step: int, stats, loss=None, activations=None) -> None:
+        """The first half of a step, before the monitor's policies: this step's gradient rows,
+        loss and activations, and whether it spiked (``spiked``, a 0-d bool on the device: a
+        loss or gradient-norm spike now, or an update-norm / late-loss spike of the step before).
+
+        Args:
+            step: The monitor's step number.
+            stats: The step's ``GradStats``.
+            loss: The loss (a tensor or a number), or None.
+            activations: The step's full ``ActivationCapture``, or None.
+        """
+        if not self._bound:
+            if not len(stats):
+                return  # no gradient yet: the ring is made on the device of the first ones
+            self._bind(stats.floats.device)
+        dt, dev = self.dtype, self.device
+        self._step = step
+        s = torch.full((len(SCALAR_FIELDS),), math.nan, dtype=dt, device=dev)
+        rows = torch.full((len(self.layers), len(LAYER_FIELDS)), math.nan, dtype=dt, device=dev)
+        if loss is not None:
+            s[LOSS] = torch.as_tensor(loss).detach().reshape(()).to(dev, dt)
+        s[3], s[5] = 1.0, 0.0  # clip_coef, skipped: set by commit
+        if len(stats):
+            f, c = stats.floats, stats.counts
+            ids = self._layer_ids(stats.names)
+            bad = (c[:, NAN] + c[:, INF]).to(dt)
+            s[GRAD] = stats.plain_total_norm.to(dev, dt)
+            s[4] = bad.sum().to(dev)
+            have = self._by_layer(ids, torch.ones(len(ids), dtype=dt, device=ids.device)) > 0
+            linf = torch.zeros(len(self.layers) + 1, dtype=dt, device=dev).scatter_reduce_(
+                0, ids, f[:, MAXABS].to(dev, dt), "amax")[:-1]
+            grads = torch.stack([self._by_layer(ids, f[:, SUMSQ]).sqrt(), linf, self._by_layer(ids, bad)], 1)
+            rows[:, :3] = torch.where(have[:, None], grads, math.nan)
+        if activations is not None:
+            fwd = activations.forward
+            if len(fwd):
+                ids = self._layer_ids([output_layer(m, self.layer_depth) + ".out" for m in fwd.modules])
+                n = self._by_layer(ids, fwd.numel)
+                rows[:, 7] = torch.where(n > 0, (self._by_layer(ids, fwd.floats[:, SUMSQ]) / n).sqrt(), math.nan)
+        self._scalars, self._rows = s, rows
+        bits = self._decide(s[:2], (LOSS, GRAD))
+        self._spike = torch.cat([bits, bits.new_zeros(1)])
+        self._acted = self._spike | self._pending
+        self.spiked = self._acted.any()
+        self._pending = torch.zeros_like(self._pending)
+        self._committed = False
+
+    def _decide(self, x: torch.Tensor, quantities: tuple[int, ...]) -> torch.Tensor:
+        """Spike bits of values ``x`` of ``quantities`` against their history (before them);
+        the bands (mean, std, count) are kept for the dump."""
+        q = self._q[quantities]
+        h, n = self.history.index_select(0, q), self.history_count.index_select(0, q)
+        valid = torch.arange(self.window, device=self.device)[None, :] < n[:, None]
+        nf = n.to(self.dtype)
+        mean = torch.where(valid, h, 0.0).sum(1) / nf.clamp(min=1)
+        var = torch.where(valid, (h - mean[:, None]) ** 2, 0.0).sum(1) / (nf - 1).clamp(min=1)
+        std = var.sqrt()
+        self.bands.index_copy_(0, q, torch.stack([mean, std, nf], 1))
+        return (n >= self.warmup) & torch.isfinite(x) & (x - mean > self.sigma * std)
+
+    def _push(self, x: torch.Tensor, quantities: tuple[int, ...]) -> None:
+        """Adds the finite values ``x`` to the histories of ``quantities``."""
+        q = self._q[quantities]
+        ok = torch.isfinite(x)
+        pos = self.history_index.index_select(0, q)
+        old = self.history[q, pos]
+        self.history.index_put_((q, pos), torch.where(ok, x, old))
+        self.history_index.index_copy_(0, q, (pos + ok.to(torch.int64)) % self.window)
+        count = self.history_count.index_select(0, q)
+        self.history_count.index_copy_(0, q, (count + ok.to(torch.int64)).clamp(max=self.window))
+
+    def commit(self, stats, *, skipped: bool, applied: bool) -> None:
+        """The second half, before ``optimizer.step()``: the clip coefficient, the update the
+        optimizer is about to apply (when ``applied``), and the row written at the device-side
+        index (no host read). Once per step; later calls do nothing."""
+        if self._committed or not self._bound:
+            return
+        self._committed = True
+        s, rows = self._scalars, self._rows
+        if stats is not None and stats.clip_coef is not None:
+            coef = stats.clip_coef if stats.clip_coef.dim() == 0 else stats.clip_coef.amin()
+            s[3] = coef.to(self.device, self.dtype).clamp(max=1.0)
+        s[5] = float(skipped)
+        if applied and self.record_updates and self.optimizers and not self.updates_unavailable:
+            self._updates(s, rows)
+            bit = self._decide(s[UPDATE:UPDATE + 1], (UPDATE,))
+            self._spike[UPDATE] = bit[0]
+            self._pending[UPDATE] = bit[0]
+        self._push(s[:3], (LOSS, GRAD, UPDATE))
+        i = self.index.reshape(1)
+        self.scalar_ring.index_copy_(0, i, s[None])
+        self.layer_ring.index_copy_(0, i, rows[None])
+        self.step_ring.index_copy_(0, i, torch.full((1,), self._step, dtype=torch.int64, device=self.device))
+        self.spike_ring.index_copy_(0, i, self._spike[None])
+        self.index.add_(1).remainder_(self.steps)
+        self.count.add_(1).clamp_(max=self.steps)
+
+    def _rows_of(self, tensors: list[torch.Tensor]):
+        """(layer ids, float rows, count rows) of ``tensors`` in one fused pass per group."""
+        keys = [str(i) for i in range(len(tensors))]
+        st = fused_stats(keys, [t.detach() for t in tensors], 2.0, what="tensor", elementwise_zero_norm=True)
+        return [int(k) for k in st.names], st.floats, st.counts
+
+    def _updates(self, s: torch.Tensor, rows: torch.Tensor) -> None:
+        """The update statistics of this step into the scalars and rows."""
+        pairs = [pu for opt in self.optimizers for pu in planned_updates(opt)]
+        if not pairs:
+            return
+        params = [p for p, _ in pairs]
+        names = [self.names_by_param.get(id(p), "") for p in params]
+        order, uf, uc = self._rows_of([u for _, u in pairs])
+        ids = self._layer_ids([names[k] for k in order])
+        u2 = uf[:, SUMSQ].to(self.device, self.dtype)
+        s[UPDATE] = u2.sum().sqrt()
+        order_w, wf, _ = self._rows_of(params)
+        ids_w = self._layer_ids([names[k] for k in order_w])
+        n, lu2, lw2 = self._by_layer(ids, uc[:, NUMEL]), self._by_layer(ids, u2), self._by_layer(ids_w, wf[:, SUMSQ])
+        rows[:, 3] = torch.where(n > 0, (lu2 / n).sqrt(), math.nan)
+        u, w = lu2.sqrt(), lw2.sqrt()
+        ratio = torch.where(w > 0, u / w, torch.where(u == 0, 0.0, math.inf))
+        rows[:, 4] = torch.where(n > 0, ratio, math.nan)
+        self._moments(rows)
+
+    def _moments(self, rows: torch.Tensor) -> None:
+        """The Adam moments' RMS per layer, from the state as the step finds it."""
+        found = []
+        for opt in self.optimizers:
+            if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                continue
+            for group in opt.param_groups:
+                beta2 = group["betas"][1]
+                for p in group["params"]:
+                    st = opt.state.get(p, {})
+                    if "exp_avg" in st and "exp_avg_sq" in st and "step" in st:
+                        found.append((p, st, beta2))
+        if not found:
+            return
+        names = [self.names_by_param.get(id(p), "") for p, _, _ in found]
+        order_m, mf, mc = self._rows_of([st["exp_avg"] for _, st, _ in found])
+        order_v, vf, _ = self._rows_of([st["exp_avg_sq"] for _, st, _ in found])
+        steps = torch.stack([torch.as_tensor(st["step"]).reshape(()).to(self.device, self.dtype)
+                             for _, st, _ in found])
+        betas = torch.tensor([b for _, _, b in found], dtype=self.dtype).to(self.device)
+        correction = 1 - betas ** steps
+        ids_m = self._layer_ids([names[k] for k in order_m])
+        ids_v = self._layer_ids([names[k] for k in order_v])
+        v = vf[:, SUM].to(self.device, self.dtype) / correction[torch.tensor(order_v, device=self.device)]
+        n = self._by_layer(ids_m, mc[:, NUMEL])
+        rows[:, 5] = torch.where(n > 0, (self._by_layer(ids_m, mf[:, SUMSQ]) / n).sqrt(), math.nan)
+        rows[:, 6] = torch.where(n > 0, (self._by_layer(ids_v, v) / n).sqrt(), math.nan)
+
+    def record_loss(self, loss) -> None:
+        """The loss of the step just recorded, for loops that know it only after the step (the
+        Lightning callback): written into that step's row; a loss spike then counts at the
+        next step's decision. Does nothing before the first step.
+
+        Args:
+            loss: A tensor or a number.
+        """
+        if not self._bound:
+            return
+        x = torch.as_tensor(loss).detach().reshape(1).to(self.device, self.dtype)
+        last = (self.index - 1).remainder(self.steps).reshape(1)
+        bit = self._decide(x, (LOSS,))
+        row = self.scalar_ring.index_select(0, last)
+        row[:, LOSS] = x
+        self.scalar_ring.index_copy_(0, last, row)
+        spikes = self.spike_ring.index_select(0, last)
+        spikes[:, LOSS] = bit
+        self.spike_ring.index_copy_(0, last, spikes)
+        self._pending[LOSS] = self._pending[LOSS] | bit[0]
+        self._push(x, (LOSS,))
+
+    # -- reading it ----------------------------------------------------------------------------
+    def unroll(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The ring in step order (oldest first, the recorded steps only), read to the CPU.
+
+        Returns:
+            ``(header, arrays)`` as a dump holds them (the Data reference lists them); the
+                header without ``step`` and ``trigger``.
+
+        Raises:
+            RuntimeError: the recorder has not bound to a monitor yet (no step ran).
+        """
+        if not self._bound:
+            raise RuntimeError("gradfuse.FlightRecorder: no step recorded yet")
+        index, count = (int(v) for v in torch.stack([self.index, self.count]).cpu())
+        order = list(range(count)) if count < self.steps else list(range(index, self.steps)) + list(range(index))
+        at = torch.tensor(order, dtype=torch.int64, device=self.device)
+        arrays = {"steps": self.step_ring[at].cpu(), "scalars": self.scalar_ring[at].to(torch.float64).cpu(),
+                  "layers": self.layer_ring[at].to(torch.float64).cpu(), "spike": self.spike_ring[at].cpu()}
+        bands = {q: {"mean": m, "std": sd, "count": int(c)}
+                 for q, (m, sd, c) in zip(SPIKE_QUANTITIES, self.bands.to(torch.float64).cpu().tolist())}
+        header = {"layers": self.layers, "layer_fields": list(LAYER_FIELDS), "scalar_fields": list(SCALAR_FIELDS),
+                  "spike_quantities": list(SPIKE_QUANTITIES),
+                  "config": {"steps": self.steps, "window": self.window, "warmup": self.warmup,
+                             "sigma": self.sigma, "layer_depth": self.layer_depth, "norm_type": self.norm_type},
+                  "bands": bands, "gradfuse_version": _version(),
+                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "names": self.names}
+        return header, arrays
+
+    def spike_quantities(self) -> list[str]:
+        """The quantities whose spike the latest step acts on: a loss or gradient-norm spike of
+        that step, an update-norm or late-loss spike of the step before (reads the host)."""
+        if not self._bound:
+            return []
+        return [q for q, bit in zip(SPIKE_QUANTITIES, self._acted.cpu().tolist()) if bit]
+
+    def describe_spike(self) -> tuple[str, list[str]]:
+        """The message of the spike the latest step acts on: the quantities with their value and
+        band, and the layers whose ``grad_l2`` (``update_rms`` for an update spike alone) is
+        furthest above its mean over the recorded steps before, in z-scores (reads the host).
+
+        Returns:
+            ``(message, quantities)``.
+        """
+        quantities = self.spike_quantities()
+        _header, arrays = self.unroll()
+        lay, scal = arrays["layers"], arrays["scalars"]
+        if not self._committed:  # the step acting on it is not in the ring yet
+            lay = torch.cat([lay, self._rows.to(torch.float64).cpu()[None]])
+            scal = torch.cat([scal, self._scalars.to(torch.float64).cpu()[None]])
+        bands = self.bands.to(torch.float64).cpu().tolist()
+        parts = []
+        for q in quantities:
+            i = SPIKE_QUANTITIES.index(q)
+            col = scal[:, i][torch.isfinite(scal[:, i])]
+            value = float(col[-1]) if len(col) else math.nan
+            parts.append(f"{q} {value:.4g} > mean {bands[i][0]:.4g} + {self.sigma:g} * std {bands[i][1]:.4g}")
+        field = LAYER_FIELDS.index("update_rms" if quantities == ["update_norm"] else "grad_l2")
+        if quantities == ["update_norm"] and self._committed is False:
+            lay = lay[:-1]  # the update of the step before
+        moved = top_moved(lay[:, :, field], self.layers, self.window)
+        text = "spike: " + "; ".join(parts)
+        if moved:
+            text += f"; layers that moved ({LAYER_FIELDS[field]} z-score): " + ", ".join(
+                f"{name} (z={z:.3g})" for name, z in moved)
+        return text, quantities
+
+    # -- dumps ---------------------------------------------------------------------------------
+    def dump(self, path: str | os.PathLike | None = None, trigger: dict | None = None) -> Path | None:
+        """Writes the ring to one file (``gradfuse.load_dump`` reads it back); never raises.
+
+        Args:
+            path: Where; None: ``<dump_dir>/step<step>-<kind>.gfdump``.
+            trigger: What triggered it: ``kind`` ("spike", "nonfinite", "explode" or
+                "manual"), ``anomalies``, ``message``, ``quantities``, ``first_nonfinite``, and
+                ``step``; None: a manual dump of the latest step.
+
+        Returns:
+            The path written, or None: nothing recorded yet, the write failed (counted in
+                ``failed_dumps`` and warned about once per kind of error), or an automatic dump
+                (``path`` None with a trigger that is not manual) past ``max_dumps``.
+        """
+        if not self._bound or not int(self.count):
+            return None
+        trigger = dict(trigger or {})
+        kind = trigger.setdefault("kind", "manual")
+        automatic = path is None and kind != "manual"
+        if automatic and self._auto_dumps >= self.max_dumps:
+            if "max_dumps" not in self._warned:
+                self._warned.add("max_dumps")
+                warn(f"gradfuse.FlightRecorder: max_dumps={self.max_dumps} reached; no more automatic dumps")
+            return None
+        for key, default in (("anomalies", []), ("message", ""), ("quantities", []), ("first_nonfinite", None)):
+            trigger.setdefault(key, default)
+        try:
+            header, arrays = self.unroll()
+            step = int(trigger.pop("step", arrays["steps"][-1]))
+            target = Path(path) if path is not None else self.dump_dir / f"step{step}-{kind}.gfdump"
+            written = write_dump(target, {"step": step, "trigger": trigger, **header}, arrays)
+        except Exception as e:  # a full disk, a read-only folder: training goes on
+            self.failed_dumps += 1
+            if type(e).__name__ not in self._warned:
+                self._warned.add(type(e).__name__)
+                warn(f"gradfuse.FlightRecorder: a dump could not be written ({type(e).__name__}: {e}); "
+                     "failures are counted in failed_dumps")
+            return None
+        self._auto_dumps += automatic
+        self.dumps += 1
+        self.last_dump = written
+        return written
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The counters and the spike histories (so that a resumed run keeps its bands), as
+        plain values (reads the host)."""
+        out = {"dumps": self.dumps, "failed_dumps": self.failed_dumps, "auto_dumps": self._auto_dumps}
+        if self._bound:
+            out["history"] = self.history.to(torch.float64).cpu().tolist()
+            out["history_index"] = self.history_index.cpu().tolist()
+            out["history_count"] = self.history_count.cpu().tolist()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``'s output (the histories once bound, or at binding)."""
+        self.dumps = int(state.get("dumps", 0))
+        self.failed_dumps = int(state.get("failed_dumps", 0))
+        self._auto_dumps = int(state.get("auto_dumps", 0))
+        if "history" in state:
+            if len(state["history"][0]) != self.window:
+                raise ValueError(f"gradfuse.FlightRecorder.load_state_dict: window {len(state['history'][0])} "
+                                 f"saved, {self.window} here")
+            self._saved_history = state
+            if self._bound:
+                self._restore(state)
+
+    def _restore(self, state: dict) -> None:
+        self.history.copy_(torch.tensor(state["history"], dtype=self.dtype))
+        self.history_index.copy_(torch.tensor(state["history_index"]))
+        self.history_count.copy_(torch.tensor(state["history_count"]))
+        self._saved_history = None
+
+
+def top_moved(values: torch.Tensor, layers: list[str], window: int, top: int = 3) -> list[tuple[str, float]]:
+    """The layers whose last value is furthest above the mean of the rows before it (z-score,
+    over at most ``window`` rows; NaN rows left out): ``[(layer, z)]``, largest first, at most
+    ``top``, only those with a positive z."""
+    if values.shape[0] < 3:
+        return []
+    last, before = values[-1], values[:-1][-window:]
+    ok = torch.isfinite(before)
+    n = ok.sum(0)
+    mean = torch.where(ok, before, 0.0).sum(0) / n.clamp(min=1)
+    var = torch.where(ok, (before - mean) ** 2, 0.0).sum(0) / (n - 1).clamp(min=1)
+    z = (last - mean) / var.sqrt()
+    z = torch.where((n >= 2) & ~torch.isnan(z), z, -math.inf)
+    ranked = sorted(zip(layers, z.tolist()), key=lambda kv: -kv[1])
+    return [(name, v) for name, v in ranked[:top] if v > 0]
+
+
+def as_recorder(value) -> FlightRecorder | None:
+    """``GradMonitor(recorder=...)``: None / False: none; True: the defaults; an int: that many
+    steps; a ``FlightRecorder``: itself.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FlightRecorder()
+    if isinstance(value, int):
+        return FlightRecorder(steps=value)
+    if isinstance(value, FlightRecorder):
+        return value
+    raise TypeError(f"gradfuse.GradMonitor: recorder must be None, True, an int or a gradfuse.FlightRecorder, "
+                    f"got {type(value).__name__}")
+
+
+def trigger_of(report) -> dict | None:
+    """The dump trigger of a step's ``StepReport``: its kind (``"nonfinite"``, ``"explode"`` or
+    ``"spike"``, the first that applies), or None when none of them fired."""
+    kind = next((k for k in ("nonfinite", "explode", "spike") if k in report.anomalies), None)
+    if kind is None:
+        return None
+    first = report.first_nonfinite
+    return {"kind": kind, "step": report.step, "anomalies": list(report.anomalies), "message": report.message,
+            "quantities": list(report.spikes), "first_nonfinite": None if first is None else list(first)}
+
+
+def configure(recorder: FlightRecorder | None, names: list[str], names_by_param: dict, layer_depth: int | None,
+              norm_type: float, dynamics, optimizer) -> None:
+    """``recorder.configure`` for a monitor (nothing without a recorder): its optimizers are
+    those of its ``update_ratios`` (``dynamics``), else its AMP ``optimizer``."""
+    if recorder is None:
+        return
+    ratios = None if dynamics is None else dynamics.update_ratios
+    recorder.configure(names, names_by_param, layer_depth, norm_type,
+                       ratios.optimizers if ratios is not None else [optimizer])
+
+
+def observe(recorder: FlightRecorder | None, step: int, report, loss) -> None:
+    """``recorder.observe`` for a monitor's step (nothing without a recorder)."""
+    if recorder is not None:
+        recorder.observe(step, report.stats, loss, report.activations)
+
+
+def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool = False) -> None:
+    """The monitor's step with ``recorder``: the row of the step (``commit``; no update when
+    the step is skipped, the scaler's to skip, or ``raising``), and a dump when a policy other
+    than ``"ignore"`` acted on a non-finite, explode or spike anomaly (its path in
+    ``report.dump``)."""
+    if recorder is None:
+        return
+    applied = not (raising or report.skip or "amp_overflow" in report.anomalies)
+    recorder.commit(report.stats, skipped=report.skip, applied=applied)
+    trigger = trigger_of(report)
+    if trigger is not None and set(decision.policies) - {"ignore"}:
+        report.dump = recorder.dump(trigger=trigger)
+
+
+def recorder_counters(monitor) -> dict[str, int]:
+    """The counters a monitor with a recorder adds: ``spike_steps``, ``dumps``, ``failed_dumps``."""
+    rec = monitor.recorder
+    if rec is None:
+        return {}
+    return {"spike_steps": monitor.spike_steps, "dumps": rec.dumps, "failed_dumps": rec.failed_dumps}
+
+
+def recorder_state(monitor) -> dict:
+    """What a monitor's ``state_dict`` adds with a recorder: ``spike_steps`` and ``recorder``."""
+    if monitor.recorder is None:
+        return {}
+    return {"spike_steps": monitor.spike_steps, "recorder": monitor.recorder.state_dict()}
+
+
+def load_recorder_state(monitor, state: dict) -> None:
+    """Restores what ``recorder_state`` saved (a state without it: the counters start at 0)."""
+    monitor.spike_steps = int(state.get("spike_steps", 0))
+    if monitor.recorder is not None and "recorder" in state:
+        monitor.recorder.load_state_dict(state["recorder"])
