@@ -29,7 +29,7 @@ from gradfuse.core.watch import GradWatch, watch
 from gradfuse.dynamics import NoiseScale
 from gradfuse.functional import stats, tensor_stats
 from gradfuse.integrations.pytorch import Attachment, attach
-from gradfuse.monitor import GradientAnomaly, GradMonitor, StepReport
+from gradfuse.monitor import FlightRecorder, GradientAnomaly, GradMonitor, StepReport, load_dump
 from gradfuse.monitor.sinks import (
     JsonlSink,
     LoggingSink,
@@ -49,9 +49,9 @@ from gradfuse import headroom, histogram, sinks  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["ActivationCapture", "ActivationStats", "Attachment", "GradMonitor", "GradStats",
+__all__ = ["ActivationCapture", "ActivationStats", "Attachment", "FlightRecorder", "GradMonitor", "GradStats",
            "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "NoiseScale",
            "PrometheusSink", "Sink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
            "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
-           "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "stats",
+           "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "load_dump", "stats",
            "tensor_stats", "unscale_clip_", "watch"]

@@ -78,10 +78,15 @@ class GradfuseCallback(Callback):
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
-            ``trace_nonfinite`` (see ``GradMonitor``). ``update_ratios=True`` takes the
-            optimizer; ``noise_scale=True`` counts micro-batches in ``on_after_backward`` (in
-            examples: the first tensor of the batch); the activation hooks go on the
-            LightningModule, for the batches Lightning logs, with the first optimizer's monitor.
+            ``trace_nonfinite``, ``recorder``, ``on_spike`` (see ``GradMonitor``).
+            ``update_ratios=True`` takes the optimizer; ``noise_scale=True`` counts micro-batches
+            in ``on_after_backward`` (in examples: the first tensor of the batch); the activation
+            hooks go on the LightningModule, for the batches Lightning logs, with the first
+            optimizer's monitor, and so does the flight recorder (``recorder=``), which records
+            that optimizer's updates and the loss of ``training_step``. Lightning hands the loss
+            over only after the optimizer step (``on_train_batch_end``; under gradient
+            accumulation the sum of the micro-batches' normalized losses): it is written into the
+            row of the step just taken, and its spike is acted on at the next step.
 
     AMP: the scaler of a ``16-mixed`` precision plugin is handed to the monitor, so an overflow
     is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
@@ -131,6 +136,8 @@ class GradfuseCallback(Callback):
         self._saved: dict[int, dict] = {}
         self._trainer_clip = None
         self._took_value = False
+        self._loss = None  # the losses of the micro-batches since the last step (flight recorder)
+        self._stepped = False
 
     @property
     def monitor(self) -> GradMonitor | None:
@@ -203,10 +210,14 @@ class GradfuseCallback(Callback):
                 kwargs["update_ratios"] = optimizer
             if not hooks:  # activation hooks: on the first optimizer's monitor only
                 kwargs.pop("activations", None), kwargs.pop("trace_nonfinite", None)
+            if index != 0:  # the flight recorder too
+                kwargs.pop("recorder", None)
             mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
                               every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
                               sinks=sinks, **({"module": pl_module} if hooks else {}), **kwargs)
             mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
+            if mon.recorder is not None and not mon.recorder.optimizers:
+                mon.recorder.optimizers = [optimizer]
             from gradfuse.dynamics.noise_scale import configure
             configure(mon.noise_scale, accumulation_steps=trainer.accumulate_grad_batches)
             if index in self._saved:
@@ -245,6 +256,22 @@ class GradfuseCallback(Callback):
         report = mon.step(log=_should_log(trainer))
         self._skip[id(optimizer)] = report.skip
         self.last_report = report
+        self._stepped = self._stepped or mon.recorder is not None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Lightning hook: with a flight recorder, the loss of the step just taken (its row)."""
+        mon = self.monitor
+        if mon is None or mon.recorder is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        import torch
+        if isinstance(loss, torch.Tensor):  # the micro-batch's loss, normalized by Lightning
+            loss = loss.detach()
+            self._loss = loss if self._loss is None else self._loss + loss
+        if self._stepped:
+            if self._loss is not None:
+                mon.recorder.record_loss(self._loss)
+            self._loss, self._stepped = None, False
 
     def _release(self, trainer) -> None:
         for gate in self._gates:

@@ -23,12 +23,14 @@ class StepGate:
     again). A skipped step returns the closure's loss, or None. ``on_skip(optimizer)`` runs after a
     skip (e.g. a scaler's bookkeeping). While ``bypass(optimizer)`` is true the gate passes the
     call straight through, closure and all, without asking ``before_step`` (an accelerate
-    micro-step, where the wrapped ``step`` does nothing). ``remove`` restores ``step``.
+    micro-step, where the wrapped ``step`` does nothing). With a closure, ``on_loss(loss)`` gets
+    the closure's result before ``before_step`` is asked. ``remove`` restores ``step``.
     """
 
     def __init__(self, optimizer, before_step: Callable[[object], bool],
                  on_skip: Callable[[object], None] | None = None,
-                 bypass: Callable[[object], bool] | None = None):
+                 bypass: Callable[[object], bool] | None = None,
+                 on_loss: Callable[[object], None] | None = None):
         if getattr(optimizer, "_gradfuse_gate", None) is not None:
             raise RuntimeError(f"gradfuse: {type(optimizer).__name__} already has a gradfuse step gate; "
                                "detach the first attachment before attaching again")
@@ -36,6 +38,7 @@ class StepGate:
         self.before_step = before_step
         self.on_skip = on_skip
         self.bypass = bypass
+        self.on_loss = on_loss
         self.active = True
         self._had_own_step = "step" in optimizer.__dict__  # e.g. an LR scheduler's wrapper
         self._previous = optimizer.__dict__.get("step")
@@ -66,6 +69,8 @@ class StepGate:
                 kwargs = {**kwargs, "closure": replay}
             else:
                 args = (replay,) + tuple(args[1:])
+            if self.on_loss is not None and loss is not None:
+                self.on_loss(loss)
         if self.before_step(self.optimizer):
             if self.on_skip is not None:
                 self.on_skip(self.optimizer)
@@ -123,6 +128,10 @@ class Attachment:
 
     Made by ``gradfuse.attach``, not directly.
 
+    The loss of a step, for the monitor's flight recorder (``recorder=``): the closure's result
+    when ``optimizer.step(closure)`` is given one, else what ``loss(value)`` was given before
+    the step.
+
     Attributes:
         monitor (GradMonitor): The monitor that runs before each ``optimizer.step()``.
         last_report (StepReport | None): The latest step's report (None before the first).
@@ -168,6 +177,10 @@ class Attachment:
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
+        recorder = self.monitor.recorder
+        if recorder is not None and not recorder.optimizers:  # the updates it records
+            recorder.optimizers = list(self._scaled)
+        self._loss = None
         # Noise scale: micro-batch boundaries from the backward passes themselves; under DDP
         # (model= a DistributedDataParallel) the bucket norms from a communication hook.
         self._backward_ends = None
@@ -181,7 +194,7 @@ class Attachment:
         self._pending: set[int] = set()  # optimizers still to step under the current decision
         self._in_scaler_step: int | None = None
         self._gates = [StepGate(opt, self._gate_decision, on_skip=self._after_skip,
-                                bypass=self._accumulating if self._gradient_states else None)
+                                bypass=self._accumulating if self._gradient_states else None, on_loss=self.loss)
                        for opt in optimizers]
         self._scaler_step = None
         if scaler is not None:
@@ -206,11 +219,31 @@ class Attachment:
                 for opt in self._scaled:
                     if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
                         self.scaler.unscale_(opt)
-            self.last_report = self.monitor.step()
+            loss, self._loss = self._loss, None
+            self.last_report = self.monitor.step(loss=loss)
             self._skip = self.last_report.skip
             self._pending = {id(o) for o in self.optimizers}
         self._pending.discard(key)
         return self._skip
+
+    def loss(self, loss) -> None:
+        """The loss of the coming step, for the monitor's flight recorder (its loss column and
+        loss spikes); call it before ``optimizer.step()``. A step with a closure passes the
+        closure's result itself. Without a ``recorder`` the loss is not used.
+
+        Args:
+            loss: A tensor (read on the device, no host sync) or a number.
+
+        Example:
+            ```python
+            handle = gradfuse.attach(optimizer, model, recorder=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            handle.loss(loss)
+            optimizer.step()
+            ```
+        """
+        self._loss = loss
 
     def _accumulating(self, optimizer) -> bool:
         """Whether this is accelerate's micro-step: ``accelerator.sync_gradients`` is False, the
@@ -342,7 +375,8 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
             ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on
-            its modules).
+            its modules). ``recorder=True`` (a flight recorder) records the attached optimizers'
+            updates, and the loss of ``optimizer.step(closure)`` or of ``handle.loss(loss)``.
 
     Returns:
         The handle: ``monitor``, ``last_report``, ``state_dict()``, ``detach()``

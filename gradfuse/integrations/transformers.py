@@ -86,6 +86,7 @@ class GradfuseCallback(TrainerCallback):
         self._ran_at: int | None = None
         self._trainer_max_grad_norm = None
         self._original_clip = None
+        self._loss_seen = None  # the Trainer's running loss at the last update (flight recorder)
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Trainer hook: makes the monitor and puts it where the Trainer clips.
@@ -117,6 +118,8 @@ class GradfuseCallback(TrainerCallback):
                 sinks=self.sinks if trainer.is_world_process_zero() else [],
                 **({"module": trainer.model} if hooks else {}), **kwargs)
             self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
+            if self.monitor.recorder is not None and not self.monitor.recorder.optimizers:
+                self.monitor.recorder.optimizers = [inner]
             from gradfuse.dynamics.noise_scale import configure
             configure(self.monitor.noise_scale, batch_size=args.per_device_train_batch_size,
                       accumulation_steps=args.gradient_accumulation_steps)
@@ -167,8 +170,20 @@ class GradfuseCallback(TrainerCallback):
                     (n == 1 and args.logging_first_step) or (
                         str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "steps"
                         and self.trainer.state.logging_steps and n % self.trainer.state.logging_steps == 0))
-            self.last_report = self.monitor.step(log=False)
+            self.last_report = self.monitor.step(log=False, loss=self._update_loss())
         return self.last_report
+
+    def _update_loss(self):
+        """The loss of this update for the flight recorder: what the Trainer's running training
+        loss (``Trainer._tr_loss``, summed over the micro-batches) grew by since the last update
+        (or since its last training log, which resets it); None where the Trainer has no such
+        tensor, or without a recorder. Device ops only."""
+        total = getattr(self.trainer, "_tr_loss", None)
+        if self.monitor.recorder is None or not hasattr(total, "detach"):
+            return None
+        total = total.detach()
+        seen, self._loss_seen = self._loss_seen, total.clone()
+        return total if seen is None or seen.device != total.device else total - seen
 
     def on_substep_end(self, args, state, control, **kwargs):
         """Trainer hook: a micro-batch's backward that is not the last of its update."""
@@ -203,7 +218,10 @@ class GradfuseCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Trainer hook: adds the latest update's statistics to a training log and writes its record."""
         report = self.last_report
-        if not logs or "loss" not in logs or report is None or report.stats is None:
+        if not logs or "loss" not in logs:
+            return
+        self._loss_seen = None  # the Trainer reset its running loss for this log
+        if report is None or report.stats is None:
             return
         record = self.monitor.record(report)
         self.monitor.write(record)
@@ -280,10 +298,13 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
-            ``trace_nonfinite`` (see ``GradMonitor``). ``update_ratios=True`` takes the
-            Trainer's optimizer; ``noise_scale=True`` counts the micro-batches of gradient
-            accumulation, in examples of ``per_device_train_batch_size``; the activation hooks go
-            on ``trainer.model`` for the updates the Trainer logs.
+            ``trace_nonfinite``, ``recorder``, ``on_spike`` (see ``GradMonitor``).
+            ``update_ratios=True`` takes the Trainer's optimizer; ``noise_scale=True`` counts the
+            micro-batches of gradient accumulation, in examples of
+            ``per_device_train_batch_size``; the activation hooks go on ``trainer.model`` for the
+            updates the Trainer logs; the flight recorder (``recorder=``) records the Trainer's
+            optimizer's updates and the loss of each update (the Trainer's training loss summed
+            over its micro-batches, as ``training_step`` returns it).
 
     Returns:
         The callback (``monitor``, ``last_report``, ``close()``).

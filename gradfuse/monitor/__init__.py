@@ -3,7 +3,8 @@ module of its own: the step plan (``gradfuse.monitor.step_plan``), the policies
 (``gradfuse.monitor.policies``), the sink set and the sinks (``gradfuse.monitor.sink_set``,
 ``gradfuse.monitor.sinks``), the clip strategy (``gradfuse.monitor.clip_strategy``), the
 dynamics (``gradfuse.monitor.dynamics``), the activation hooks
-(``gradfuse.monitor.activation_hooks``), and what a step hands back and logs: ``StepReport``
+(``gradfuse.monitor.activation_hooks``), the flight recorder and its dump file
+(``gradfuse.monitor.recorder``, ``gradfuse.monitor.flight_dump``), and what a step hands back and logs: ``StepReport``
 and ``GradientAnomaly`` (``gradfuse.monitor.report``) and the record
 (``gradfuse.monitor.record``).
 
@@ -11,7 +12,9 @@ Layer: monitor, above the capabilities. Imports ``gradfuse.core``, ``gradfuse.cl
 ``gradfuse.numerics``, ``gradfuse.activations`` and ``gradfuse.dynamics``, never
 ``gradfuse.viz`` or an integration.
 """
+from gradfuse.monitor.flight_dump import FlightDump, load_dump
 from gradfuse.monitor.monitor import GradMonitor
+from gradfuse.monitor.recorder import FlightRecorder
 from gradfuse.monitor.report import GradientAnomaly, StepReport
 
-__all__ = ["GradMonitor", "GradientAnomaly", "StepReport"]
+__all__ = ["FlightDump", "FlightRecorder", "GradMonitor", "GradientAnomaly", "StepReport", "load_dump"]

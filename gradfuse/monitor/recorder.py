@@ -34,7 +34,8 @@ SPIKE_QUANTITIES = ("loss", "grad_norm", "update_norm")
 LOSS, GRAD, UPDATE = 0, 1, 2  # columns of the spike quantities (and of the scalars they come from)
 
 
-def _version() -> str:
+def installed_version() -> str:
+    """The installed gradfuse distribution's version ("unknown" when it is not installed)."""
     try:
         return metadata.version("gradfuse")
     except metadata.PackageNotFoundError:
@@ -192,6 +193,7 @@ class FlightRecorder:
         self.history_index = torch.zeros(3, dtype=torch.int64, **kw)
         self.history_count = torch.zeros(3, dtype=torch.int64, **kw)
         self.bands = torch.full((3, 3), math.nan, dtype=dt, **kw)  # mean, std, count at the latest step
+        self.bands[:, 2] = 0
         self._pending = torch.zeros(3, dtype=torch.bool, **kw)  # spikes to act on at the next step
         self._acted = torch.zeros(3, dtype=torch.bool, **kw)  # the spikes acted on at this step
         self.spiked = torch.zeros((), dtype=torch.bool, **kw)
@@ -424,7 +426,7 @@ class FlightRecorder:
                   "spike_quantities": list(SPIKE_QUANTITIES),
                   "config": {"steps": self.steps, "window": self.window, "warmup": self.warmup,
                              "sigma": self.sigma, "layer_depth": self.layer_depth, "norm_type": self.norm_type},
-                  "bands": bands, "gradfuse_version": _version(),
+                  "bands": bands, "gradfuse_version": installed_version(),
                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "names": self.names}
         return header, arrays
 
