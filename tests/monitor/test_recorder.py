@@ -443,3 +443,35 @@ def test_bad_arguments():
     assert mon.recorder.dump() is None  # nothing recorded yet
     assert mon.config()["recorder"] == 64 and mon.config()["on_spike"] == "warn"
     assert "recorder" not in GradMonitor(nn.Linear(2, 2)).config()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_hands_the_loss_to_the_step_just_taken(accumulate):
+    pytest.importorskip("lightning")
+    from lightning_harness import fit
+
+    from gradfuse.integrations.lightning import GradfuseCallback
+    cb = GradfuseCallback(recorder=True, on_spike="ignore")
+    fit([cb], accumulate=accumulate)
+    _, arrays = cb.monitor.recorder.unroll()
+    scalars = arrays["scalars"]
+    assert len(arrays["steps"]) == 8 // accumulate
+    assert torch.isfinite(scalars[:, col("loss")]).all() and (scalars[:, col("loss")] > 0).all()
+    assert torch.isfinite(scalars[:, col("update_norm")]).all()  # the optimizer's updates
+
+
+def test_the_hf_trainer_hands_each_update_its_loss(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers_harness import make_trainer
+    from transformers_harness import train as hf_train
+
+    from gradfuse.integrations.transformers import attach as hf_attach
+    trainer, _opt = make_trainer(tmp_path, 1.0)
+    cb = hf_attach(trainer, recorder=True, on_spike="ignore")
+    hf_train(trainer)
+    _, arrays = cb.monitor.recorder.unroll()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert arrays["steps"].tolist() == [1, 2, 3, 4]
+    assert arrays["scalars"][:, col("loss")].tolist() == pytest.approx(logged, rel=1e-3)
+    assert torch.isfinite(arrays["scalars"][:, col("update_norm")]).all()
