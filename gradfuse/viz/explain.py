@@ -5,31 +5,37 @@ layers, how many steps before the trigger, and in what order the others followed
 ``python -m gradfuse explain DUMP`` prints and ``Diagnosis.to_dict()`` what ``--json`` prints;
 ``plot_dump(dump, path)`` draws the traces around the trigger with their bands (``--plot``).
 
-How a departure is found. Each quantity is a series over the recorded steps (oldest first, up to
-the trigger step; later steps are left out). The totals ``loss``, ``grad_norm`` and
-``update_norm`` come from the dump's ``scalars``; the per-layer series from its ``layers`` array:
-``grad_l2`` (the layers of ``grad_norm``), ``update_rms`` (the layers of ``update_norm``) and
-``act_rms`` (a per-layer quantity only). At each recorded step the band of a series is
-``mean +- sigma * std`` (``std`` unbiased) of its values at the ``window`` recorded steps before
-it, leaving out the values that are missing or were themselves outside their band, so a series
-that stays high is measured against its level before the jump. ``window`` and ``sigma`` are the
-recorder's (the dump's ``config``). A band needs ``min_history`` values (default 5), fewer than the
-recorder's warm-up because a buffer holds only K steps: the earliest part of the buffer is the
-baseline. ``std`` is floored at ``1e-3 * |mean|`` so that a constant series does not make every
-rounding difference a departure. A value leaves its band when it is above it (upward only, as for
-the recorder's spike rule: a drop is no departure), or when it is non-finite (``+-inf``; ``NaN``
-where the dump marks the step's gradients non-finite: ``grad_norm`` with a ``nonfinite`` count,
-``grad_l2`` with a ``grad_nonfinite`` count, ``loss`` when the loss was recorded before; any other
-``NaN`` means "not recorded"), or when the recorder marked it a spike (the ``spike`` array). At the
-trigger step the totals use the recorder's own bands (the header's ``bands``, computed over its
-longer history) when they hold ``min_history`` values.
+How a departure is found. Each quantity is a series over the recorded steps, oldest first (when
+a dump holds steps after its trigger, they are diagnosed too, with a negative ``steps_before``).
+The totals ``loss``, ``grad_norm`` and ``update_norm`` come from the dump's ``scalars``; the
+per-layer series from its ``layers`` array: ``grad_l2`` (the layers of ``grad_norm``),
+``update_rms`` (the layers of ``update_norm``) and ``act_rms`` (a per-layer quantity only).
 
-The event of a quantity is the first departure (of the total or of any of its layers) among the
-last ``lookback`` recorded steps up to the trigger (default 16); when the series was already out of
-its band just before that span, the event starts where that run of out-of-band steps began. Events
-are ordered by step; at the same step in the order a training step computes them: ``act_rms``,
-``loss``, ``grad_norm``, ``update_norm``. A layer's first departure is found the same way; an
-event's layers are sorted by first departure, then by ``z``, largest first.
+At each recorded step the band of a series is ``mean +- sigma * std`` (``std`` unbiased) of its
+values at the ``window`` recorded steps before it, leaving out the values that are missing or were
+themselves outside their band, so a series that stays high is measured against its level before
+the jump. ``window`` and ``sigma`` are the recorder's (the dump's ``config``). A band needs
+``min_history`` values (default 5), fewer than the recorder's warm-up because a buffer holds only
+K steps: the earliest part of the buffer is the baseline. ``std`` is floored at ``1e-3 * |mean|``
+so that a constant series does not make every rounding difference a departure. At the trigger step
+the totals use the recorder's own bands instead (the header's ``bands``, computed over its longer
+history) when they hold ``min_history`` values.
+
+A value leaves its band when it is above it (upward only, as in the recorder's spike rule: a drop
+is no departure), when the recorder marked it a spike (the ``spike`` array), or when it is
+non-finite: ``+-inf``, or a ``NaN`` the dump shows to be a value: ``grad_norm`` on a step with a
+``nonfinite`` count, a layer's ``grad_l2`` with a ``grad_nonfinite`` count, ``loss`` on a step with
+a ``nonfinite`` count once the loss was recorded, a layer's ``act_rms`` recorded before on a step
+where another layer's was recorded. Any other ``NaN`` means "not recorded"; a step the monitor
+skipped made no update.
+
+The event of a quantity is its first departure (of the total or of any of its layers) from the
+``lookback``-th recorded step before the trigger on (default 16: the trigger, the 15 steps before
+it and any after it); when the series was already out of its band just before that span, the
+event starts where that run of out-of-band steps began. Events are ordered by step; at one step in
+the order a training step computes them: ``act_rms``, ``loss``, ``grad_norm``, ``update_norm``.
+A layer's first departure is found the same way; an event's layers are sorted by first departure,
+then by ``z``, largest first.
 
 Layer: viz. Imports ``gradfuse.monitor`` and ``gradfuse.utils``; matplotlib on first use (plot).
 """
@@ -62,7 +68,7 @@ class Departure:
     Attributes:
         layer: The layer (as the dump's ``layers`` names it), or ``None`` for the total.
         step: The step it left its band.
-        steps_before: The trigger step minus ``step``.
+        steps_before: The trigger step minus ``step`` (negative after the trigger).
         z: ``(value - mean) / std`` against its band there; ``inf`` for a non-finite value;
             ``nan`` for a spike the recorder marked where the buffer holds too few values for a
             band.
@@ -87,7 +93,7 @@ class Event:
     Attributes:
         quantity: ``"update_norm"``, ``"grad_norm"``, ``"loss"`` or ``"act_rms"``.
         step: The first step it left its band (its total or any of its layers).
-        steps_before: The trigger step minus ``step``.
+        steps_before: The trigger step minus ``step`` (negative after the trigger).
         z: The z-score at ``step`` of what left the band then: the total when it did, else the
             first of ``layers``.
         total: The total's departure (``None`` when the total stayed in its band, or for
@@ -108,12 +114,17 @@ class NonFiniteOrigin:
     """Where the first non-finite value came from.
 
     Attributes:
-        step: The first step with non-finite gradients in the buffer (``None`` when none has).
+        step: The first step with non-finite gradients or activations in the buffer (``None``
+            when none has).
         module: The module that produced the first non-finite value, when it was traced (the
             trigger's ``first_nonfinite``), else ``None``.
         phase: ``"forward"`` or ``"backward"`` when traced, else ``None``.
         layers: The layers whose gradients held non-finite values at ``step``.
         traced: Whether ``module`` comes from a trace.
+        activations: The layers whose activation RMS was non-finite at ``step`` (on a step the
+            activations were recorded), in the dump's layer order: without a trace, the first of
+            them is the nearest the dump comes to the module that made the value (a non-finite
+            activation reaches every layer after it, and the backward pass every gradient).
     """
 
     step: int | None
@@ -121,6 +132,7 @@ class NonFiniteOrigin:
     phase: str | None
     layers: list[str]
     traced: bool
+    activations: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -185,11 +197,10 @@ class Diagnosis:
             parts = []
             for i, e in enumerate(self.events):
                 when = _when(e.steps_before)
-                where = f"step {e.step}"
-                if e.total is None and QUANTITIES[e.quantity][0] is not None:
-                    where += ", the total within its band"
-                else:
-                    where += f", {_z(e.z)}"
+                where = f"step {e.step}, {_z(e.z)}"
+                if QUANTITIES[e.quantity][0] is not None and _total_differs(e):
+                    where += ("; the total within its band" if e.total is None else
+                              f"; the total from step {e.total.step}, {_z(e.total.z)}")
                 if i == 0:
                     s = f"{e.quantity} left its band first, {when} ({where})"
                 elif e.step == self.events[i - 1].step:
@@ -219,12 +230,22 @@ class Diagnosis:
                 else:
                     s += "."
             else:
-                s = (f"Non-finite gradients first at step {nf.step} ({_when(self.step - nf.step)}), "
-                     f"in {', '.join(nf.layers) or 'no single layer'} (the module was not traced).")
+                s = f"Non-finite values first at step {nf.step} ({_when(self.step - nf.step)}), "
+                if nf.activations:
+                    s += f"in the activations of {', '.join(nf.activations)}"
+                    s += f" and the gradients of {', '.join(nf.layers)}" if nf.layers else ""
+                else:
+                    s += f"in the gradients of {', '.join(nf.layers) or 'no single layer'}"
+                s += " (the module was not traced)."
             lines.append(s)
         if self.missing:
             lines.append(f"Not recorded: {', '.join(self.missing)}.")
         return "\n".join(lines)
+
+
+def _total_differs(event: Event) -> bool:
+    """Whether an event's total left its band later than the event's first layer, or never."""
+    return event.total is None or event.total.step != event.step
 
 
 def _jsonable(obj):
@@ -240,7 +261,8 @@ def _jsonable(obj):
 def _when(steps_before: int) -> str:
     if steps_before == 0:
         return "at the trigger"
-    return f"{steps_before} step{'s' if steps_before != 1 else ''} before"
+    k = abs(steps_before)
+    return f"{k} step{'s' if k != 1 else ''} " + ("before" if steps_before > 0 else "after the trigger")
 
 
 def _z(z: float) -> str:
@@ -279,6 +301,8 @@ def _check(dump: FlightDump, path: str | None) -> None:
     missing += [f"header {k!r}" for k in REQUIRED_HEADER if k not in dump.header]
     if missing:
         raise ValueError(f"{where}: not a complete flight-recorder dump (missing {', '.join(missing)})")
+    if not isinstance(dump.header["step"], int) or isinstance(dump.header["step"], bool):
+        raise ValueError(f"{where}: the header's step is {dump.header['step']!r}, not a step number")
     n = dump.arrays["steps"].shape[0]
     s, L, F = len(dump.header["scalar_fields"]), len(dump.header["layers"]), len(dump.header["layer_fields"])
     shapes = {"scalars": (n, s), "layers": (n, L, F)}
@@ -298,12 +322,12 @@ class _Series:
         self.header = h
         steps = [int(s) for s in a["steps"].tolist()]
         self.trigger = int(h["step"])
-        upto = [i for i, s in enumerate(steps) if s <= self.trigger]
-        self.n = (upto[-1] + 1) if upto else 0
-        self.steps = steps[:self.n]
+        self.steps = steps
+        self.n = len(steps)
+        # recorded steps up to and including the trigger (the history the bands have before it)
+        self.upto = sum(1 for s in steps if s <= self.trigger)
         # where the recorder's own bands apply: the trigger step, when the buffer holds it
-        self.trigger_index = self.n - 1 if self.n and self.steps[-1] == self.trigger else None
-        self.all_steps = steps
+        self.trigger_index = self.upto - 1 if self.upto and steps[self.upto - 1] == self.trigger else None
         self.layers = list(h["layers"])
         scal = a["scalars"].double().tolist()
         self.scalar_fields = list(h["scalar_fields"])
@@ -375,8 +399,7 @@ def _trace(values: list[float], n: int, window: int, sigma: float, min_history: 
     return _Trace(out, zs, means, stds)
 
 
-def _first_departure(trace: _Trace, n: int, lookback: int) -> int | None:
-    start = max(0, n - lookback)
+def _first_departure(trace: _Trace, n: int, start: int) -> int | None:
     first = next((i for i in range(start, n) if trace.out[i]), None)
     if first is None:
         return None
@@ -398,7 +421,8 @@ def _departure(series: _Series, trace: _Trace, values: list[float], i: int, laye
 
 
 def _nonfinite_nan(series: _Series, values: list[float], counts: list[float] | None, need_earlier: bool) -> list[bool]:
-    """Steps where a NaN in ``values`` is a non-finite value rather than "not recorded"."""
+    """Per step, whether a NaN in ``values`` there would be a non-finite value rather than "not
+    recorded": ``counts`` positive there, and with ``need_earlier`` a value recorded before."""
     out = []
     seen = False
     for i in range(series.n):
@@ -408,12 +432,19 @@ def _nonfinite_nan(series: _Series, values: list[float], counts: list[float] | N
     return out
 
 
+def _armed(series: _Series) -> list[float]:
+    """Per step, 1.0 where any layer's activation RMS was recorded (an armed step), else 0.0."""
+    act = series.layer_field("act_rms") or {}
+    return [float(any(math.isfinite(v[i]) for v in act.values())) for i in range(series.n)]
+
+
 def _traces(series: _Series, min_history: int) -> dict:
     """{quantity: (total (values, trace) or None, {layer: (values, trace)})} for each quantity
     that has any value in the buffer."""
     n, w, sg = series.n, series.window, series.sigma
     nonfinite = series.scalar("nonfinite")
     grad_nf = series.layer_field("grad_nonfinite")
+    armed = _armed(series)
     skipped = series.scalar("skipped")
     out = {}
     for q, (total_name, layer_field) in QUANTITIES.items():
@@ -435,8 +466,11 @@ def _traces(series: _Series, min_history: int) -> dict:
                 values = list(values)
                 if q == "update_norm" and skipped is not None:
                     values = [math.nan if s == 1.0 else v for v, s in zip(values, skipped)]
-                nf = _nonfinite_nan(series, values, grad_nf[name], need_earlier=False) \
-                    if q == "grad_norm" and grad_nf is not None else None
+                nf = None
+                if q == "grad_norm" and grad_nf is not None:
+                    nf = _nonfinite_nan(series, values, grad_nf[name], need_earlier=False)
+                elif q == "act_rms":
+                    nf = _nonfinite_nan(series, values, armed, need_earlier=True)
                 if any(math.isfinite(v) or (nf and nf[i]) for i, v in enumerate(values[:n])):
                     layers[name] = (values, _trace(values, n, w, sg, min_history, nf))
         if total is not None or layers:
@@ -467,18 +501,18 @@ def explain(dump, *, lookback: int = 16, min_history: int = 5) -> Diagnosis:
     _check(dump, path)
     series = _Series(dump)
     trigger = series.header.get("trigger") or {}
-    n = series.n
+    n, start = series.n, max(0, series.upto - lookback)
     traces = _traces(series, min_history)
     events = []
     for q, (total, layers) in traces.items():
         t_dep = None
         if total is not None:
-            i = _first_departure(total[1], n, lookback)
+            i = _first_departure(total[1], n, start)
             if i is not None:
                 t_dep = _departure(series, total[1], total[0], i, None)
         l_deps = []
         for name, (values, trace) in layers.items():
-            i = _first_departure(trace, n, lookback)
+            i = _first_departure(trace, n, start)
             if i is not None:
                 l_deps.append(_departure(series, trace, values, i, name))
         l_deps.sort(key=lambda d: (d.step, -d.z if not math.isnan(d.z) else math.inf))
@@ -493,7 +527,8 @@ def explain(dump, *, lookback: int = 16, min_history: int = 5) -> Diagnosis:
     return Diagnosis(step=series.trigger, kind=str(trigger.get("kind", "manual")),
                      anomalies=list(trigger.get("anomalies") or []), message=str(trigger.get("message") or ""),
                      quantities=list(trigger.get("quantities") or []), events=events,
-                     nonfinite=_nonfinite_origin(series, trigger), history=n, enough_history=n - 1 >= min_history,
+                     nonfinite=_nonfinite_origin(series, trigger), history=series.upto,
+                     enough_history=series.upto - 1 >= min_history,
                      missing=missing, window=series.window, sigma=series.sigma, min_history=min_history,
                      lookback=lookback, path=path)
 
@@ -502,18 +537,22 @@ def _nonfinite_origin(series: _Series, trigger: dict) -> NonFiniteOrigin | None:
     traced = trigger.get("first_nonfinite")
     counts = series.layer_field("grad_nonfinite") or {}
     total = series.scalar("nonfinite")
-    step, layers = None, []
+    act = series.layer_field("act_rms") or {}
+    act_nf = {name: _nonfinite_nan(series, v, _armed(series), need_earlier=True) for name, v in act.items()}
+    step, layers, acts = None, [], []
     for i in range(series.n):
         here = [name for name, c in counts.items() if math.isfinite(c[i]) and c[i] > 0]
-        if here or (total is not None and math.isfinite(total[i]) and total[i] > 0):
+        acts = [name for name, v in act.items() if math.isinf(v[i]) or (math.isnan(v[i]) and act_nf[name][i])]
+        if here or acts or (total is not None and math.isfinite(total[i]) and total[i] > 0):
             step, layers = series.steps[i], here
             break
     if traced:
         phase, module = traced
-        return NonFiniteOrigin(step=step, module=str(module), phase=str(phase), layers=layers, traced=True)
+        return NonFiniteOrigin(step=step, module=str(module), phase=str(phase), layers=layers, traced=True,
+                               activations=acts)
     if step is None:
         return None
-    return NonFiniteOrigin(step=step, module=None, phase=None, layers=layers, traced=False)
+    return NonFiniteOrigin(step=step, module=None, phase=None, layers=layers, traced=False, activations=acts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,8 +604,8 @@ def dump_figure(dump, window: int | None = None, path: str | None = None, lookba
     traces = _traces(series, min_history)
     events = {e.quantity: e for e in diagnosis.events}
     n = series.n
-    lo = 0 if window is None else max(0, n - 1 - window)
-    hi = len(series.all_steps)  # steps after the trigger are drawn, not diagnosed
+    lo = 0 if window is None else max(0, series.upto - 1 - window)
+    hi = n
     panels = []
     for q, title, field_name in PANELS:
         if q not in traces:
@@ -581,11 +620,11 @@ def dump_figure(dump, window: int | None = None, path: str | None = None, lookba
                              layout="constrained")
     axes = axes[:, 0]
     colours = plt.get_cmap("tab10").colors
-    steps_all = series.all_steps
+    steps_all = series.steps
     for ax, (q, title, lines) in zip(axes, panels):
         event = events.get(q)
         named = [d.layer for d in event.layers] if event else []
-        finite = []
+        finite, bands = [], []
         for key, (values, trace) in lines.items():
             xs = steps_all[lo:hi]
             ys = values[lo:hi]
@@ -610,9 +649,8 @@ def dump_figure(dump, window: int | None = None, path: str | None = None, lookba
                         bx.append(steps_all[i])
                         blo.append(m - half)
                         bhi.append(m + half)
-                if bx:
-                    ax.fill_between(bx, blo, bhi, color=style["color"], alpha=0.15, lw=0,
-                                    label=f"band of {key or q}: mean ± {series.sigma:g} std")
+                if bx:  # drawn once the scale is known (on a log scale its lower edge is cut)
+                    bands.append((bx, blo, bhi, style["color"], f"band of {key or q}: mean ± {series.sigma:g} std"))
             outs = [i for i in range(lo, n) if trace.out[i] and math.isfinite(values[i])]
             if outs and (key is None or key in named):
                 ax.scatter([steps_all[i] for i in outs], [values[i] for i in outs], s=28,
@@ -622,8 +660,13 @@ def dump_figure(dump, window: int | None = None, path: str | None = None, lookba
                 ax.scatter(bad, [1.0] * len(bad), transform=ax.get_xaxis_transform(), marker="v", s=40,
                            color="tab:red", clip_on=False, zorder=5,
                            label="non-finite" if key is None or key == (named[:1] or [None])[0] else None)
-        if finite and min(finite) > 0 and max(finite) > 10 * min(finite):  # log scale for a jump of 10x or more
+        log = finite and min(finite) > 0 and max(finite) > 10 * min(finite)  # log scale for a jump of 10x or more
+        if log:
             ax.set_yscale("log")
+        for bx, blo, bhi, colour, label in bands:
+            if log:
+                blo = [max(v, min(finite) / 2) for v in blo]
+            ax.fill_between(bx, blo, bhi, color=colour, alpha=0.15, lw=0, label=label)
         ax.axvline(series.trigger, color="tab:red", ls="--", lw=1.2,
                    label=f"trigger: step {series.trigger} ({diagnosis.kind})" if ax is axes[0] else None)
         if event is not None:

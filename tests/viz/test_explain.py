@@ -146,7 +146,7 @@ def nan_in_layer_1():
     scalar(a, "grad_norm")[t] = math.nan
     scalar(a, "loss")[t] = math.nan
     scalar(a, "update_norm")[t] = math.nan
-    scalar(a, "skipped")[t] = 1.0
+    scalar(a, "skipped")[t] = 1.0  # the policy skipped the step
     layer(a, "layers.0", "update_rms")[t] = math.nan
     return a
 
@@ -174,8 +174,20 @@ def test_nan_without_a_trace_names_the_layers_with_nonfinite_counts(tmp_path):
     d = explain(FlightDump(header(kind="nonfinite", quantities=()), a))
     assert not d.nonfinite.traced and d.nonfinite.module is None
     assert (d.nonfinite.step, d.nonfinite.layers) == (TRIGGER - 1, ["layers.1"])
-    assert (f"Non-finite gradients first at step {TRIGGER - 1} (1 step before), in layers.1 "
+    assert (f"Non-finite values first at step {TRIGGER - 1} (1 step before), in the gradients of layers.1 "
             "(the module was not traced).") in d.text()
+
+
+def test_nan_without_a_trace_names_the_first_layer_with_nonfinite_activations():
+    a = nan_in_layer_1()
+    t = at(TRIGGER)  # an armed step: activations recorded
+    for name in ("layers.1", "head"):  # the NaN made in layers.1 flows forward into the head
+        layer(a, name, "act_rms")[t] = math.nan
+    d = explain(FlightDump(header(kind="nonfinite", quantities=()), a))
+    assert (d.nonfinite.step, d.nonfinite.activations) == (TRIGGER, ["layers.1", "head"])
+    assert d.events[0].quantity == "act_rms" and [x.layer for x in d.events[0].layers] == ["layers.1", "head"]
+    assert (f"Non-finite values first at step {TRIGGER} (at the trigger), in the activations of layers.1, head "
+            "and the gradients of embed, layers.0, layers.1 (the module was not traced).") in d.text()
 
 
 def test_short_history_says_not_enough_history(tmp_path):
@@ -211,15 +223,25 @@ def test_quantities_not_recorded_are_not_named(tmp_path):
     assert d.text().splitlines()[-1] == "Not recorded: act_rms, update_norm."
 
 
-def test_a_run_out_of_band_is_followed_back_past_the_lookback_and_later_steps_are_ignored():
-    a = series(n=N + 3)  # three steps after the trigger (a manual dump taken later)
+def test_a_run_out_of_band_is_followed_back_past_the_lookback():
+    a = series()
     layer(a, "layers.0", "grad_l2")[at(TRIGGER - 20):] *= 10  # high since 20 steps before
-    scalar(a, "grad_norm")[at(TRIGGER + 1):] *= 100  # after the trigger: not diagnosed
     d = explain(FlightDump(header(kind="manual", quantities=()), a), lookback=4)
     assert [(e.quantity, e.step, e.steps_before) for e in d.events] == [("grad_norm", TRIGGER - 20, 20)]
     assert d.events[0].total is None and d.events[0].layers[0].layer == "layers.0"
-    assert "the total within its band" in d.text()
+    assert d.text().startswith(f"step {TRIGGER}: manual. grad_norm left its band first, 20 steps before "
+                               f"(step {TRIGGER - 20}, z=")
+    assert "; the total within its band), in layers.0 (z=" in d.text()
+
+
+def test_steps_after_the_trigger_are_diagnosed_as_after_it():
+    a = series(n=N + 3)  # the dump holds three steps after its trigger
+    layer(a, "layers.0", "update_rms")[at(TRIGGER):] *= 10
+    scalar(a, "loss")[at(TRIGGER + 2):] *= 3
+    d = explain(FlightDump(header(quantities=()), a))
     assert d.history == N
+    assert [(e.quantity, e.steps_before) for e in d.events] == [("update_norm", 0), ("loss", -2)]
+    assert "then loss, 2 steps after the trigger (step" in d.text()
 
 
 def test_act_rms_on_armed_steps(tmp_path):
