@@ -94,6 +94,9 @@ def explain_dump(path: str, plot: str | None = None, as_json: bool = False, look
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyError, TypeError, AttributeError) as e:  # other bytes than a dump's can fail the reader so
+        print(f"error: {path}: not a gradfuse flight-recorder dump ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
     diagnosis.path = path
     print(json.dumps(diagnosis.to_dict(), indent=2) if as_json else diagnosis.text())
     if plot:  # the picture's path; on stderr under --json, so that stdout stays one JSON document

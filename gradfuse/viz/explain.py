@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from gradfuse.monitor.flight_dump import FlightDump, load_dump
 from gradfuse.utils import require
 
-__all__ = ["Departure", "Diagnosis", "Event", "NonFiniteOrigin", "explain", "plot_dump"]
+__all__ = ["Departure", "Diagnosis", "Event", "NonFiniteOrigin", "dump_figure", "explain", "plot_dump"]
 
 # Each quantity: (its total in ``scalars`` or None, its per-layer field in ``layers`` or None).
 QUANTITIES = {"act_rms": (None, "act_rms"), "loss": ("loss", None), "grad_norm": ("grad_norm", "grad_l2"),
@@ -217,26 +217,23 @@ class Diagnosis:
         else:
             lines.append(head + ".")
         if not self.enough_history:
-            lines.append(f"Not enough history: {self.history - 1} recorded step(s) before the trigger, "
-                         f"{self.min_history} needed for a band (only the recorder's own spike marks "
-                         "and non-finite values are used).")
+            k = max(self.history - 1, 0)
+            lines.append(f"Not enough history: {k} recorded step{'s' if k != 1 else ''} before the trigger, "
+                         f"{self.min_history} needed for a band; only the recorder's own spike marks and "
+                         "bands, and non-finite values, are used.")
         nf = self.nonfinite
         if nf is not None:
+            if nf.activations:
+                where = f"in the activations of {', '.join(nf.activations)}"
+                where += f" and the gradients of {', '.join(nf.layers)}" if nf.layers else ""
+            else:
+                where = f"in the gradients of {', '.join(nf.layers) or 'no single layer'}"
+            at = f"step {nf.step} ({_when(self.step - nf.step)}), {where}" if nf.step is not None else ""
             if nf.traced:
                 s = f"The first non-finite value came from {nf.module} ({nf.phase})"
-                if nf.step is not None:
-                    s += f"; gradients non-finite from step {nf.step}"
-                    s += f" in {', '.join(nf.layers)}." if nf.layers else "."
-                else:
-                    s += "."
+                s += f"; non-finite values at {at}." if at else "."
             else:
-                s = f"Non-finite values first at step {nf.step} ({_when(self.step - nf.step)}), "
-                if nf.activations:
-                    s += f"in the activations of {', '.join(nf.activations)}"
-                    s += f" and the gradients of {', '.join(nf.layers)}" if nf.layers else ""
-                else:
-                    s += f"in the gradients of {', '.join(nf.layers) or 'no single layer'}"
-                s += " (the module was not traced)."
+                s = f"Non-finite values first at {at} (the module was not traced)."
             lines.append(s)
         if self.missing:
             lines.append(f"Not recorded: {', '.join(self.missing)}.")
@@ -577,8 +574,7 @@ def plot_dump(dump, path: str | os.PathLike, window: int | None = None, *, dpi: 
     Returns:
         The path written.
     """
-    dump, source = _as_dump(dump)
-    fig = dump_figure(dump, window=window, path=source, lookback=lookback)
+    fig = dump_figure(dump, window=window, lookback=lookback)
     import matplotlib.pyplot as plt
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -590,14 +586,16 @@ PANELS = [("loss", "loss", None), ("grad_norm", "total gradient norm", None),
           ("update_norm", "update RMS per layer", "update_rms"), ("act_rms", "activation RMS per layer", "act_rms")]
 
 
-def dump_figure(dump, window: int | None = None, path: str | None = None, lookback: int = 16, min_history: int = 5):
-    """The figure of :func:`plot_dump` (matplotlib ``Figure``), for a ``FlightDump``."""
+def dump_figure(dump, window: int | None = None, *, lookback: int = 16, min_history: int = 5):
+    """The figure :func:`plot_dump` draws (a matplotlib ``Figure``), of a dump's path or a
+    ``FlightDump``; ``lookback`` and ``min_history`` as for :func:`explain`."""
     matplotlib = require("matplotlib", "matplotlib", "plot_dump")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from gradfuse.monitor.figures import FONT
 
+    dump, path = _as_dump(dump)
     _check(dump, path)
     diagnosis = explain(dump, lookback=lookback, min_history=min_history)
     series = _Series(dump)

@@ -4,6 +4,7 @@ and layers; the CLI prints the same diagnosis as text or JSON, draws it, and ref
 is not a dump; a dump round-trips through write_dump / load_dump."""
 import json
 import math
+import struct
 
 import matplotlib
 import pytest
@@ -161,7 +162,9 @@ def test_nan_inside_one_module_names_the_traced_module(tmp_path):
     assert sorted(x.layer for x in d.events[1].layers) == ["embed", "layers.0", "layers.1"]
     text = d.text()
     assert text.startswith(f"step {TRIGGER}: nonfinite. loss left its band first, at the trigger")
-    assert "The first non-finite value came from layers.1.mlp.fc1 (forward)" in text
+    assert text.splitlines()[1] == ("The first non-finite value came from layers.1.mlp.fc1 (forward); non-finite "
+                                    f"values at step {TRIGGER} (at the trigger), in the gradients of embed, "
+                                    "layers.0, layers.1.")
     assert "update_norm" not in text  # the skipped step made no update: not a departure
 
 
@@ -200,7 +203,7 @@ def test_short_history_says_not_enough_history(tmp_path):
     assert [(e.quantity, e.steps_before) for e in d.events] == [("loss", 0)]
     assert math.isnan(d.events[0].z)
     text = d.text()
-    assert "Not enough history: 3 recorded step(s) before the trigger, 5 needed for a band" in text
+    assert "Not enough history: 3 recorded steps before the trigger, 5 needed for a band" in text
     assert "marked a spike by the recorder" in text
     # with the recorder's own band for the trigger step (its history is longer than the buffer)
     bands = {"loss": {"mean": 3.0, "std": 0.03, "count": 500}}
@@ -297,7 +300,8 @@ def test_plot_dump_draws_every_recorded_quantity_with_the_trigger(tmp_path):
     assert plot_dump(FlightDump(header(), nan_in_layer_1()), tmp_path / "nan.png") == str(tmp_path / "nan.png")
 
 
-@pytest.mark.parametrize("content", [b"", b"not a dump at all", b'{"jsonl": 1}\n'])
+@pytest.mark.parametrize("content", [b"", b"not a dump at all", b'{"jsonl": 1}\n', struct.pack("<Q", 1) + b"5",
+                                     struct.pack("<Q", 2) + b"[]"])
 def test_cli_refuses_a_file_that_is_not_a_dump(tmp_path, capsys, content):
     bad = tmp_path / "run.jsonl"
     bad.write_bytes(content)
