@@ -17,9 +17,12 @@ themselves outside their band, so a series that stays high is measured against i
 the jump. ``window`` and ``sigma`` are the recorder's (the dump's ``config``). A band needs
 ``min_history`` values (default 5), fewer than the recorder's warm-up because a buffer holds only
 K steps: the earliest part of the buffer is the baseline. ``std`` is floored at ``1e-3 * |mean|``
-so that a constant series does not make every rounding difference a departure. At the trigger step
-the totals use the recorder's own bands instead (the header's ``bands``, computed over its longer
-history) when they hold ``min_history`` values.
+so that a constant series does not make every rounding difference a departure. Where the buffer
+holds too few values before the trigger, the totals there use the recorder's own bands (the
+header's ``bands``, over its longer history) when those hold ``min_history`` values. Every step is
+otherwise measured against the buffer, the totals as their layers: the recorder's band, over up to
+``window`` steps the buffer may not hold, can be much wider early in training (its spike marks
+still count, below).
 
 A value leaves its band when it is above it (upward only, as in the recorder's spike rule: a drop
 is no departure), when the recorder marked it a spike (the ``spike`` array), or when it is
@@ -376,12 +379,12 @@ def _trace(values: list[float], n: int, window: int, sigma: float, min_history: 
             continue  # not recorded at this step
         history = [values[j] for j in range(max(0, i - window), i) if math.isfinite(values[j]) and not out[j]]
         mean = std = math.nan
-        if i == trigger_index and trigger_band and int(trigger_band.get("count") or 0) >= min_history \
+        if len(history) >= min_history:
+            mean, std = _mean_std(history)
+        elif i == trigger_index and trigger_band and int(trigger_band.get("count") or 0) >= min_history \
                 and math.isfinite(trigger_band.get("mean", math.nan)) \
                 and math.isfinite(trigger_band.get("std", math.nan)):
             mean, std = float(trigger_band["mean"]), float(trigger_band["std"])
-        elif len(history) >= min_history:
-            mean, std = _mean_std(history)
         means[i], stds[i] = mean, std
         if not math.isfinite(x):
             zs[i], out[i] = math.inf, True

@@ -115,6 +115,9 @@ def test_lr_jump_update_norm_first_in_layers_0_then_loss(tmp_path):
     assert "in layers.0 (z=" in text and f"layers.1 (step {TRIGGER}, z=" in text
     assert f"then loss, at the trigger (step {TRIGGER}, z=" in text
     assert text.index("update_norm") < text.index("then loss")
+    # the recorder's band at the trigger (over a longer, wider history) gives way to the buffer's
+    wide = {q: {"mean": 1.0, "std": 100.0, "count": 128} for q in SPIKE_QUANTITIES}
+    assert explain(FlightDump(header(bands=wide), lr_jump())).events == d.events
 
 
 def test_poisoned_batch_grad_norm_of_the_layers_it_reaches_at_the_same_step(tmp_path):
