@@ -41,6 +41,7 @@ from gradfuse.monitor.sinks import (
     WandbSink,
 )
 from gradfuse.ops import backend, build_info
+from gradfuse.viz.explain import explain
 
 # isort: split
 # gradfuse.headroom, .histogram and .sinks as attributes of the package too (imported after the
@@ -53,5 +54,5 @@ __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "FlightRecorder
            "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "NoiseScale",
            "PrometheusSink", "Sink", "StepReport", "TensorBoardSink", "WandbSink", "ZClip", "__version__",
            "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
-           "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "load_dump", "stats",
-           "tensor_stats", "unscale_clip_", "watch"]
+           "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "explain", "get_total_norm",
+           "load_dump", "stats", "tensor_stats", "unscale_clip_", "watch"]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m gradfuse {demo,plot,info}`` (also the ``gradfuse`` script).
+"""Command line: ``python -m gradfuse {demo,plot,explain,info}`` (also the ``gradfuse`` script).
 
 Layer: the top, beside the demo. Imports any of gradfuse.
 """
@@ -12,8 +12,9 @@ from pathlib import Path
 # What ``gradfuse --help`` shows users (the module docstring above is for contributors).
 DESCRIPTION = """Fused gradient statistics, clipping and monitoring for PyTorch, from the command line:
 run the demo (a small training run with the monitor on, a planted spike and NaN caught), draw the
-gradient flow of a GradMonitor JSONL log, or show what the extension was built for against what is
-running. `gradfuse COMMAND --help` describes a command's options."""
+gradient flow of a GradMonitor JSONL log, explain a flight-recorder dump (which quantity and which
+layers left their band first before a spike), or show what the extension was built for against what
+is running. `gradfuse COMMAND --help` describes a command's options."""
 
 
 def main(argv=None) -> int:
@@ -36,6 +37,20 @@ def main(argv=None) -> int:
     p.add_argument("--fps", type=int, default=5, help="frames per second of --animate (default 5)")
     p.add_argument("--max-frames", type=int, default=200,
                    help="--animate thins longer logs to about this many frames, keeping anomalies")
+    e = sub.add_parser("explain", help="explain a flight-recorder dump: which quantity left its band first "
+                                       "(update norm, gradient norm, loss, activation RMS), in which layers, "
+                                       "how many steps before the trigger, and what followed",
+                       description="Explains a flight-recorder dump (a .gfdump file the monitor writes on an "
+                                   "anomaly or on demand): which quantity left its band (mean +- sigma std of "
+                                   "the steps before) first, in which layers, how many steps before the "
+                                   "trigger, the order in which the others followed, and the module of the "
+                                   "first non-finite value when it was traced.")
+    e.add_argument("dump", help="the dump file (e.g. gradfuse_dumps/step1200-spike.gfdump)")
+    e.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="also draw the per-layer traces around the trigger with their bands into OUT.png")
+    e.add_argument("--json", action="store_true", help="print the diagnosis as JSON instead of text")
+    e.add_argument("--lookback", type=int, default=16,
+                   help="recorded steps up to the trigger in which departures are looked for (default 16)")
     i = sub.add_parser("info", help="what gradfuse._C was built for vs what is running, the backends "
                                     "in use, and what to do when they differ")
     i.add_argument("--json", action="store_true", help="only the build info and backends, as JSON")
@@ -61,8 +76,31 @@ def main(argv=None) -> int:
         print(plot_gradflow(args.jsonl, args.output))
         if pa.has_activations(read_jsonl(args.jsonl)):
             print(pa.plot_activations(args.jsonl, pa.activations_path(args.output)))
+    elif args.command == "explain":
+        return explain_dump(args.dump, plot=args.plot, as_json=args.json, lookback=args.lookback)
     elif args.command == "info":
         return print_info(as_json=args.json)
+    return 0
+
+
+def explain_dump(path: str, plot: str | None = None, as_json: bool = False, lookback: int = 16) -> int:
+    """Prints the diagnosis of a flight-recorder dump (text, or JSON with ``as_json``) and draws
+    it into ``plot``; exit status 2 with a message when ``path`` is not a readable dump."""
+    from gradfuse.monitor.flight_dump import load_dump
+    from gradfuse.viz.explain import explain, plot_dump
+    try:
+        dump = load_dump(path)
+        diagnosis = explain(dump, lookback=lookback)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, AttributeError) as e:  # other bytes than a dump's can fail the reader so
+        print(f"error: {path}: not a gradfuse flight-recorder dump ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    diagnosis.path = path
+    print(json.dumps(diagnosis.to_dict(), indent=2) if as_json else diagnosis.text())
+    if plot:  # the picture's path; on stderr under --json, so that stdout stays one JSON document
+        print(plot_dump(dump, plot, lookback=lookback), file=sys.stderr if as_json else sys.stdout)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Pictures of a run from its JSONL log: gradient flow, exponent histograms and noise scale
-(``gradfuse.viz.gradflow``), activations (``gradfuse.viz.activations``). matplotlib is
+(``gradfuse.viz.gradflow``), activations (``gradfuse.viz.activations``); and the diagnosis of a
+flight-recorder dump, as data, text and a picture (``gradfuse.viz.explain``). matplotlib is
 imported on first use.
 
 Layer: viz, above the monitor (it reads the monitor's records). Imports ``gradfuse.monitor``,

@@ -82,5 +82,5 @@ def test_help_speaks_to_users():
                          check=True).stdout
     assert "Fused gradient statistics, clipping and monitoring for PyTorch" in out
     assert "Layer:" not in out and "Imports any of gradfuse" not in out
-    for command in ("demo", "plot", "info"):
+    for command in ("demo", "plot", "explain", "info"):
         assert command in out
