@@ -27,6 +27,9 @@ TOP_GROUPS = [
       "adaptive_clip_grad_", "ZClip", "unscale_clip_"]),
     ("Monitoring", "The monitor, its reports, and the one-line attachment to an optimizer.",
      ["attach", "Attachment", "GradMonitor", "StepReport", "GradientAnomaly"]),
+    ("Flight recorder", "The last steps of every layer on the device, spikes, dumps and their diagnosis; "
+     "see the guide on diagnosing a spike.",
+     ["FlightRecorder", "load_dump", "explain"]),
     ("Sinks", "Where the monitor's records go: the `Sink` protocol and the sinks gradfuse ships (also "
      "importable from `gradfuse.sinks`).",
      ["Sink", "JsonlSink", "TensorBoardSink", "MetricsSink", "WandbSink", "MLflowSink", "LoggingSink",
@@ -46,6 +49,9 @@ MODULES = [
     ("gradfuse.numerics.headroom", "gradfuse.headroom", None),
     ("gradfuse.activations", "gradfuse.activations", None),
     ("gradfuse.dynamics", "gradfuse.dynamics", None),
+    ("gradfuse.viz.explain", "gradfuse.viz.explain", ["Diagnosis", "Event", "Departure", "NonFiniteOrigin",
+                                                      "plot_dump", "dump_figure"]),
+    ("gradfuse.monitor.flight_dump", "gradfuse.monitor.flight_dump", ["FlightDump", "write_dump", "load_dump"]),
     ("gradfuse.integrations.pytorch", "gradfuse.integrations.pytorch",
      ["Attachment", "attach", "StepGate"]),
     ("gradfuse.integrations.lightning", "gradfuse.integrations.lightning", ["GradfuseCallback"]),
