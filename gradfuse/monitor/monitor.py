@@ -30,7 +30,7 @@ from gradfuse.clip.value import check_clip_value
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.params import check_norm_type
 from gradfuse.core.watch import watch
-from gradfuse.monitor import recorder as flight
+from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message
 from gradfuse.monitor.dynamics import Dynamics

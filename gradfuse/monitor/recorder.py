@@ -7,7 +7,7 @@ spiked (one more bit of the monitor's one 0-d anomaly flag), and on an anomaly w
 to a file (``gradfuse.monitor.flight_dump``) that ``python -m gradfuse explain`` reads.
 
 Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.activations``, ``gradfuse.dynamics``,
-``gradfuse.ops`` and the monitor's dump file.
+``gradfuse.ops`` and the monitor's dump file and spike detector.
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ from gradfuse.core.engine import fused_stats
 from gradfuse.core.layers import layer_of
 from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
 from gradfuse.monitor.flight_dump import write_dump
+from gradfuse.monitor.spikes import GRAD, LOSS, SPIKE_QUANTITIES, UPDATE, SpikeDetector
 from gradfuse.ops import INF, MAXABS, NAN, NUMEL, SUM, SUMSQ, stats_dtype
 from gradfuse.utils import warn
 
 SCALAR_FIELDS = ("loss", "grad_norm", "update_norm", "clip_coef", "nonfinite", "skipped")
 LAYER_FIELDS = ("grad_l2", "grad_linf", "grad_nonfinite", "update_rms", "update_ratio", "exp_avg_rms",
                 "exp_avg_sq_rms", "act_rms")
-SPIKE_QUANTITIES = ("loss", "grad_norm", "update_norm")
-LOSS, GRAD, UPDATE = 0, 1, 2  # columns of the spike quantities (and of the scalars they come from)
 
 
 def installed_version() -> str:
@@ -136,6 +135,7 @@ class FlightRecorder:
         if not (isinstance(sigma, (int, float)) and sigma > 0):
             raise ValueError(f"gradfuse.FlightRecorder: sigma must be > 0, got {sigma!r}")
         self.steps, self.window, self.warmup, self.sigma = steps, window, warmup, float(sigma)
+        self.spikes = SpikeDetector(window, warmup, float(sigma))
         self.dump_dir = Path(dump_dir)
         self.max_dumps = max_dumps
         self.record_updates = record_updates
@@ -149,7 +149,6 @@ class FlightRecorder:
         self._warned: set[str] = set()
         self._bound = False
         self._configured = False
-        self._saved_history: dict | None = None
         self._index_cache: dict = {}
 
     # -- binding -------------------------------------------------------------------------------
@@ -189,20 +188,12 @@ class FlightRecorder:
         self.spike_ring = torch.zeros((K, 3), dtype=torch.bool, **kw)
         self.index = torch.zeros((), dtype=torch.int64, **kw)
         self.count = torch.zeros((), dtype=torch.int64, **kw)
-        self.history = torch.full((3, self.window), math.nan, dtype=dt, **kw)  # per quantity, a ring
-        self.history_index = torch.zeros(3, dtype=torch.int64, **kw)
-        self.history_count = torch.zeros(3, dtype=torch.int64, **kw)
-        self.bands = torch.full((3, 3), math.nan, dtype=dt, **kw)  # mean, std, count at the latest step
-        self.bands[:, 2] = 0
+        self.spikes.bind(self.device, dt)
         self._pending = torch.zeros(3, dtype=torch.bool, **kw)  # spikes to act on at the next step
         self._acted = torch.zeros(3, dtype=torch.bool, **kw)  # the spikes acted on at this step
         self.spiked = torch.zeros((), dtype=torch.bool, **kw)
         self._committed, self._step = True, None
-        self._q = {qs: torch.tensor(qs, dtype=torch.int64, **kw) for qs in ((LOSS,), (LOSS, GRAD), (UPDATE,),
-                                                                         (LOSS, GRAD, UPDATE))}
         self._bound = True
-        if self._saved_history is not None:
-            self._restore(self._saved_history)
 
     @property
     def bound(self) -> bool:
@@ -269,36 +260,12 @@ class FlightRecorder:
                 n = self._by_layer(ids, fwd.numel)
                 rows[:, 7] = torch.where(n > 0, (self._by_layer(ids, fwd.floats[:, SUMSQ]) / n).sqrt(), math.nan)
         self._scalars, self._rows = s, rows
-        bits = self._decide(s[:2], (LOSS, GRAD))
+        bits = self.spikes.decide(s[:2], (LOSS, GRAD))
         self._spike = torch.cat([bits, bits.new_zeros(1)])
         self._acted = self._spike | self._pending
         self.spiked = self._acted.any()
         self._pending = torch.zeros_like(self._pending)
         self._committed = False
-
-    def _decide(self, x: torch.Tensor, quantities: tuple[int, ...]) -> torch.Tensor:
-        """Spike bits of values ``x`` of ``quantities`` against their history (before them);
-        the bands (mean, std, count) are kept for the dump."""
-        q = self._q[quantities]
-        h, n = self.history.index_select(0, q), self.history_count.index_select(0, q)
-        valid = torch.arange(self.window, device=self.device)[None, :] < n[:, None]
-        nf = n.to(self.dtype)
-        mean = torch.where(valid, h, 0.0).sum(1) / nf.clamp(min=1)
-        var = torch.where(valid, (h - mean[:, None]) ** 2, 0.0).sum(1) / (nf - 1).clamp(min=1)
-        std = var.sqrt()
-        self.bands.index_copy_(0, q, torch.stack([mean, std, nf], 1))
-        return (n >= self.warmup) & torch.isfinite(x) & (x - mean > self.sigma * std)
-
-    def _push(self, x: torch.Tensor, quantities: tuple[int, ...]) -> None:
-        """Adds the finite values ``x`` to the histories of ``quantities``."""
-        q = self._q[quantities]
-        ok = torch.isfinite(x)
-        pos = self.history_index.index_select(0, q)
-        old = self.history[q, pos]
-        self.history.index_put_((q, pos), torch.where(ok, x, old))
-        self.history_index.index_copy_(0, q, (pos + ok.to(torch.int64)) % self.window)
-        count = self.history_count.index_select(0, q)
-        self.history_count.index_copy_(0, q, (count + ok.to(torch.int64)).clamp(max=self.window))
 
     def commit(self, stats, *, skipped: bool, applied: bool) -> None:
         """The second half, before ``optimizer.step()``: the clip coefficient, the update the
@@ -314,10 +281,10 @@ class FlightRecorder:
         s[5] = float(skipped)
         if applied and self.record_updates and self.optimizers and not self.updates_unavailable:
             self._updates(s, rows)
-            bit = self._decide(s[UPDATE:UPDATE + 1], (UPDATE,))
+            bit = self.spikes.decide(s[UPDATE:UPDATE + 1], (UPDATE,))
             self._spike[UPDATE] = bit[0]
             self._pending[UPDATE] = bit[0]
-        self._push(s[:3], (LOSS, GRAD, UPDATE))
+        self.spikes.push(s[:3], (LOSS, GRAD, UPDATE))
         i = self.index.reshape(1)
         self.scalar_ring.index_copy_(0, i, s[None])
         self.layer_ring.index_copy_(0, i, rows[None])
@@ -392,7 +359,7 @@ class FlightRecorder:
             return
         x = torch.as_tensor(loss).detach().reshape(1).to(self.device, self.dtype)
         last = (self.index - 1).remainder(self.steps).reshape(1)
-        bit = self._decide(x, (LOSS,))
+        bit = self.spikes.decide(x, (LOSS,))
         row = self.scalar_ring.index_select(0, last)
         row[:, LOSS] = x
         self.scalar_ring.index_copy_(0, last, row)
@@ -400,7 +367,7 @@ class FlightRecorder:
         spikes[:, LOSS] = bit
         self.spike_ring.index_copy_(0, last, spikes)
         self._pending[LOSS] = self._pending[LOSS] | bit[0]
-        self._push(x, (LOSS,))
+        self.spikes.push(x, (LOSS,))
 
     # -- reading it ----------------------------------------------------------------------------
     def unroll(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -420,8 +387,7 @@ class FlightRecorder:
         at = torch.tensor(order, dtype=torch.int64, device=self.device)
         arrays = {"steps": self.step_ring[at].cpu(), "scalars": self.scalar_ring[at].to(torch.float64).cpu(),
                   "layers": self.layer_ring[at].to(torch.float64).cpu(), "spike": self.spike_ring[at].cpu()}
-        bands = {q: {"mean": m, "std": sd, "count": int(c)}
-                 for q, (m, sd, c) in zip(SPIKE_QUANTITIES, self.bands.to(torch.float64).cpu().tolist())}
+        bands = self.spikes.band_values()
         header = {"layers": self.layers, "layer_fields": list(LAYER_FIELDS), "scalar_fields": list(SCALAR_FIELDS),
                   "spike_quantities": list(SPIKE_QUANTITIES),
                   "config": {"steps": self.steps, "window": self.window, "warmup": self.warmup,
@@ -451,21 +417,10 @@ class FlightRecorder:
         if not self._committed:  # the step acting on it is not in the ring yet
             lay = torch.cat([lay, self._rows.to(torch.float64).cpu()[None]])
             scal = torch.cat([scal, self._scalars.to(torch.float64).cpu()[None]])
-        bands = self.bands.to(torch.float64).cpu().tolist()
-        parts = []
-        for q in quantities:
-            i = SPIKE_QUANTITIES.index(q)
-            col = scal[:, i][torch.isfinite(scal[:, i])]
-            value = float(col[-1]) if len(col) else math.nan
-            parts.append(f"{q} {value:.4g} > mean {bands[i][0]:.4g} + {self.sigma:g} * std {bands[i][1]:.4g}")
-        field = LAYER_FIELDS.index("update_rms" if quantities == ["update_norm"] else "grad_l2")
+        field = "update_rms" if quantities == ["update_norm"] else "grad_l2"
         if quantities == ["update_norm"] and self._committed is False:
             lay = lay[:-1]  # the update of the step before
-        moved = top_moved(lay[:, :, field], self.layers, self.window)
-        text = "spike: " + "; ".join(parts)
-        if moved:
-            text += f"; layers that moved ({LAYER_FIELDS[field]} z-score): " + ", ".join(
-                f"{name} (z={z:.3g})" for name, z in moved)
+        text = self.spikes.message(quantities, scal, lay[:, :, LAYER_FIELDS.index(field)], self.layers, field)
         return text, quantities
 
     # -- dumps ---------------------------------------------------------------------------------
@@ -516,12 +471,8 @@ class FlightRecorder:
     def state_dict(self) -> dict:
         """The counters and the spike histories (so that a resumed run keeps its bands), as
         plain values (reads the host)."""
-        out = {"dumps": self.dumps, "failed_dumps": self.failed_dumps, "auto_dumps": self._auto_dumps}
-        if self._bound:
-            out["history"] = self.history.to(torch.float64).cpu().tolist()
-            out["history_index"] = self.history_index.cpu().tolist()
-            out["history_count"] = self.history_count.cpu().tolist()
-        return out
+        return {"dumps": self.dumps, "failed_dumps": self.failed_dumps, "auto_dumps": self._auto_dumps,
+                **self.spikes.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``'s output (the histories once bound, or at binding)."""
@@ -532,112 +483,4 @@ class FlightRecorder:
             if len(state["history"][0]) != self.window:
                 raise ValueError(f"gradfuse.FlightRecorder.load_state_dict: window {len(state['history'][0])} "
                                  f"saved, {self.window} here")
-            self._saved_history = state
-            if self._bound:
-                self._restore(state)
-
-    def _restore(self, state: dict) -> None:
-        self.history.copy_(torch.tensor(state["history"], dtype=self.dtype))
-        self.history_index.copy_(torch.tensor(state["history_index"]))
-        self.history_count.copy_(torch.tensor(state["history_count"]))
-        self._saved_history = None
-
-
-def top_moved(values: torch.Tensor, layers: list[str], window: int, top: int = 3) -> list[tuple[str, float]]:
-    """The layers whose last value is furthest above the mean of the rows before it (z-score,
-    over at most ``window`` rows; NaN rows left out): ``[(layer, z)]``, largest first, at most
-    ``top``, only those with a positive z."""
-    if values.shape[0] < 3:
-        return []
-    last, before = values[-1], values[:-1][-window:]
-    ok = torch.isfinite(before)
-    n = ok.sum(0)
-    mean = torch.where(ok, before, 0.0).sum(0) / n.clamp(min=1)
-    var = torch.where(ok, (before - mean) ** 2, 0.0).sum(0) / (n - 1).clamp(min=1)
-    z = (last - mean) / var.sqrt()
-    z = torch.where((n >= 2) & ~torch.isnan(z), z, -math.inf)
-    ranked = sorted(zip(layers, z.tolist()), key=lambda kv: -kv[1])
-    return [(name, v) for name, v in ranked[:top] if v > 0]
-
-
-def as_recorder(value) -> FlightRecorder | None:
-    """``GradMonitor(recorder=...)``: None / False: none; True: the defaults; an int: that many
-    steps; a ``FlightRecorder``: itself.
-
-    Raises:
-        TypeError: anything else.
-    """
-    if value is None or value is False:
-        return None
-    if value is True:
-        return FlightRecorder()
-    if isinstance(value, int):
-        return FlightRecorder(steps=value)
-    if isinstance(value, FlightRecorder):
-        return value
-    raise TypeError(f"gradfuse.GradMonitor: recorder must be None, True, an int or a gradfuse.FlightRecorder, "
-                    f"got {type(value).__name__}")
-
-
-def trigger_of(report) -> dict | None:
-    """The dump trigger of a step's ``StepReport``: its kind (``"nonfinite"``, ``"explode"`` or
-    ``"spike"``, the first that applies), or None when none of them fired."""
-    kind = next((k for k in ("nonfinite", "explode", "spike") if k in report.anomalies), None)
-    if kind is None:
-        return None
-    first = report.first_nonfinite
-    return {"kind": kind, "step": report.step, "anomalies": list(report.anomalies), "message": report.message,
-            "quantities": list(report.spikes), "first_nonfinite": None if first is None else list(first)}
-
-
-def configure(recorder: FlightRecorder | None, names: list[str], names_by_param: dict, layer_depth: int | None,
-              norm_type: float, dynamics, optimizer) -> None:
-    """``recorder.configure`` for a monitor (nothing without a recorder): its optimizers are
-    those of its ``update_ratios`` (``dynamics``), else its AMP ``optimizer``."""
-    if recorder is None:
-        return
-    ratios = None if dynamics is None else dynamics.update_ratios
-    recorder.configure(names, names_by_param, layer_depth, norm_type,
-                       ratios.optimizers if ratios is not None else [optimizer])
-
-
-def observe(recorder: FlightRecorder | None, step: int, report, loss) -> None:
-    """``recorder.observe`` for a monitor's step (nothing without a recorder)."""
-    if recorder is not None:
-        recorder.observe(step, report.stats, loss, report.activations)
-
-
-def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool = False) -> None:
-    """The monitor's step with ``recorder``: the row of the step (``commit``; no update when
-    the step is skipped, the scaler's to skip, or ``raising``), and a dump when a policy other
-    than ``"ignore"`` acted on a non-finite, explode or spike anomaly (its path in
-    ``report.dump``)."""
-    if recorder is None:
-        return
-    applied = not (raising or report.skip or "amp_overflow" in report.anomalies)
-    recorder.commit(report.stats, skipped=report.skip, applied=applied)
-    trigger = trigger_of(report)
-    if trigger is not None and set(decision.policies) - {"ignore"}:
-        report.dump = recorder.dump(trigger=trigger)
-
-
-def recorder_counters(monitor) -> dict[str, int]:
-    """The counters a monitor with a recorder adds: ``spike_steps``, ``dumps``, ``failed_dumps``."""
-    rec = monitor.recorder
-    if rec is None:
-        return {}
-    return {"spike_steps": monitor.spike_steps, "dumps": rec.dumps, "failed_dumps": rec.failed_dumps}
-
-
-def recorder_state(monitor) -> dict:
-    """What a monitor's ``state_dict`` adds with a recorder: ``spike_steps`` and ``recorder``."""
-    if monitor.recorder is None:
-        return {}
-    return {"spike_steps": monitor.spike_steps, "recorder": monitor.recorder.state_dict()}
-
-
-def load_recorder_state(monitor, state: dict) -> None:
-    """Restores what ``recorder_state`` saved (a state without it: the counters start at 0)."""
-    monitor.spike_steps = int(state.get("spike_steps", 0))
-    if monitor.recorder is not None and "recorder" in state:
-        monitor.recorder.load_state_dict(state["recorder"])
+            self.spikes.load_state_dict(state)

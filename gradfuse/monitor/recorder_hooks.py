@@ -1,0 +1,95 @@
+"""How a ``GradMonitor`` drives its flight recorder: making it from the ``recorder=`` argument,
+feeding it the two halves of each step, dumping on an anomaly a policy acted on, and its counters
+and checkpoint state in the monitor's.
+
+Kept apart from ``gradfuse.monitor.recorder`` so that the recorder knows nothing of the monitor
+(it takes statistics, not reports), and ``monitor.py`` makes one call at each point of its step.
+
+Layer: monitor. Imports the monitor's flight recorder.
+"""
+from __future__ import annotations
+
+from gradfuse.monitor.recorder import FlightRecorder
+
+
+def as_recorder(value) -> FlightRecorder | None:
+    """``GradMonitor(recorder=...)``: None / False: none; True: the defaults; an int: that many
+    steps; a ``FlightRecorder``: itself.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FlightRecorder()
+    if isinstance(value, int):
+        return FlightRecorder(steps=value)
+    if isinstance(value, FlightRecorder):
+        return value
+    raise TypeError(f"gradfuse.GradMonitor: recorder must be None, True, an int or a gradfuse.FlightRecorder, "
+                    f"got {type(value).__name__}")
+
+
+def trigger_of(report) -> dict | None:
+    """The dump trigger of a step's ``StepReport``: its kind (``"nonfinite"``, ``"explode"`` or
+    ``"spike"``, the first that applies), or None when none of them fired."""
+    kind = next((k for k in ("nonfinite", "explode", "spike") if k in report.anomalies), None)
+    if kind is None:
+        return None
+    first = report.first_nonfinite
+    return {"kind": kind, "step": report.step, "anomalies": list(report.anomalies), "message": report.message,
+            "quantities": list(report.spikes), "first_nonfinite": None if first is None else list(first)}
+
+
+def configure(recorder: FlightRecorder | None, names: list[str], names_by_param: dict, layer_depth: int | None,
+              norm_type: float, dynamics, optimizer) -> None:
+    """``recorder.configure`` for a monitor (nothing without a recorder): its optimizers are
+    those of its ``update_ratios`` (``dynamics``), else its AMP ``optimizer``."""
+    if recorder is None:
+        return
+    ratios = None if dynamics is None else dynamics.update_ratios
+    recorder.configure(names, names_by_param, layer_depth, norm_type,
+                       ratios.optimizers if ratios is not None else [optimizer])
+
+
+def observe(recorder: FlightRecorder | None, step: int, report, loss) -> None:
+    """``recorder.observe`` for a monitor's step (nothing without a recorder)."""
+    if recorder is not None:
+        recorder.observe(step, report.stats, loss, report.activations)
+
+
+def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool = False) -> None:
+    """The monitor's step with ``recorder``: the row of the step (``commit``; no update when
+    the step is skipped, the scaler's to skip, or ``raising``), and a dump when a policy other
+    than ``"ignore"`` acted on a non-finite, explode or spike anomaly (its path in
+    ``report.dump``)."""
+    if recorder is None:
+        return
+    applied = not (raising or report.skip or "amp_overflow" in report.anomalies)
+    recorder.commit(report.stats, skipped=report.skip, applied=applied)
+    trigger = trigger_of(report)
+    if trigger is not None and set(decision.policies) - {"ignore"}:
+        report.dump = recorder.dump(trigger=trigger)
+
+
+def recorder_counters(monitor) -> dict[str, int]:
+    """The counters a monitor with a recorder adds: ``spike_steps``, ``dumps``, ``failed_dumps``."""
+    rec = monitor.recorder
+    if rec is None:
+        return {}
+    return {"spike_steps": monitor.spike_steps, "dumps": rec.dumps, "failed_dumps": rec.failed_dumps}
+
+
+def recorder_state(monitor) -> dict:
+    """What a monitor's ``state_dict`` adds with a recorder: ``spike_steps`` and ``recorder``."""
+    if monitor.recorder is None:
+        return {}
+    return {"spike_steps": monitor.spike_steps, "recorder": monitor.recorder.state_dict()}
+
+
+def load_recorder_state(monitor, state: dict) -> None:
+    """Restores what ``recorder_state`` saved (a state without it: the counters start at 0)."""
+    monitor.spike_steps = int(state.get("spike_steps", 0))
+    if monitor.recorder is not None and "recorder" in state:
+        monitor.recorder.load_state_dict(state["recorder"])
