@@ -40,7 +40,11 @@ the order a training step computes them: ``act_rms``, ``loss``, ``grad_norm``, `
 A layer's first departure is found the same way; an event's layers are sorted by first departure,
 then by ``z``, largest first.
 
-Layer: viz. Imports ``gradfuse.monitor`` and ``gradfuse.utils``; matplotlib on first use (plot).
+The series and their bands are computed in ``gradfuse.viz.bands``, the picture is drawn in
+``gradfuse.viz.explain_plot``.
+
+Layer: viz. Imports ``gradfuse.viz.bands`` and ``gradfuse.viz.explain_plot``; matplotlib on first
+use (plot).
 """
 from __future__ import annotations
 
@@ -48,20 +52,24 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from gradfuse.monitor.flight_dump import FlightDump, load_dump
-from gradfuse.utils import require
+from gradfuse.viz import explain_plot
+from gradfuse.viz.bands import (
+    QUANTITIES,
+    Series,
+    Trace,
+    armed_steps,
+    as_dump,
+    band_traces,
+    check_dump,
+    first_departure,
+    nan_is_nonfinite,
+    when_text,
+)
 
 __all__ = ["Departure", "Diagnosis", "Event", "NonFiniteOrigin", "dump_figure", "explain", "plot_dump"]
 
-# Each quantity: (its total in ``scalars`` or None, its per-layer field in ``layers`` or None).
-QUANTITIES = {"act_rms": (None, "act_rms"), "loss": ("loss", None), "grad_norm": ("grad_norm", "grad_l2"),
-              "update_norm": ("update_norm", "update_rms")}
 # Ties at one step, in the order a training step computes them.
 ORDER = list(QUANTITIES)
-DEFAULTS = {"window": 128, "sigma": 6.0}
-STD_FLOOR = 1e-3
-REQUIRED_ARRAYS = ("steps", "scalars", "layers")
-REQUIRED_HEADER = ("step", "trigger", "layers", "layer_fields", "scalar_fields")
 
 
 @dataclass
@@ -199,7 +207,7 @@ class Diagnosis:
         if self.events:
             parts = []
             for i, e in enumerate(self.events):
-                when = _when(e.steps_before)
+                when = when_text(e.steps_before)
                 where = f"step {e.step}, {_z(e.z)}"
                 if QUANTITIES[e.quantity][0] is not None and _total_differs(e):
                     where += ("; the total within its band" if e.total is None else
@@ -231,7 +239,7 @@ class Diagnosis:
                 where += f" and the gradients of {', '.join(nf.layers)}" if nf.layers else ""
             else:
                 where = f"in the gradients of {', '.join(nf.layers) or 'no single layer'}"
-            at = f"step {nf.step} ({_when(self.step - nf.step)}), {where}" if nf.step is not None else ""
+            at = f"step {nf.step} ({when_text(self.step - nf.step)}), {where}" if nf.step is not None else ""
             if nf.traced:
                 s = f"The first non-finite value came from {nf.module} ({nf.phase})"
                 s += f"; non-finite values at {at}." if at else "."
@@ -258,13 +266,6 @@ def _jsonable(obj):
     return obj
 
 
-def _when(steps_before: int) -> str:
-    if steps_before == 0:
-        return "at the trigger"
-    k = abs(steps_before)
-    return f"{k} step{'s' if k != 1 else ''} " + ("before" if steps_before > 0 else "after the trigger")
-
-
 def _z(z: float) -> str:
     if math.isnan(z):
         return "marked a spike by the recorder, no band here"
@@ -285,197 +286,10 @@ def _layers_text(event: Event, most: int = 4) -> str:
     return ", ".join(out)
 
 
-# ---------------------------------------------------------------------------------------------
-# The dump as series
-
-
-def _as_dump(dump) -> tuple[FlightDump, str | None]:
-    if isinstance(dump, FlightDump):
-        return dump, None
-    return load_dump(dump), os.fspath(dump)
-
-
-def _check(dump: FlightDump, path: str | None) -> None:
-    where = path or "flight dump"
-    missing = [k for k in REQUIRED_ARRAYS if k not in dump.arrays]
-    missing += [f"header {k!r}" for k in REQUIRED_HEADER if k not in dump.header]
-    if missing:
-        raise ValueError(f"{where}: not a complete flight-recorder dump (missing {', '.join(missing)})")
-    if not isinstance(dump.header["step"], int) or isinstance(dump.header["step"], bool):
-        raise ValueError(f"{where}: the header's step is {dump.header['step']!r}, not a step number")
-    n = dump.arrays["steps"].shape[0]
-    s, L, F = len(dump.header["scalar_fields"]), len(dump.header["layers"]), len(dump.header["layer_fields"])
-    shapes = {"scalars": (n, s), "layers": (n, L, F)}
-    if "spike" in dump.arrays:
-        shapes["spike"] = (n, len(dump.header.get("spike_quantities", ["loss", "grad_norm", "update_norm"])))
-    for name, shape in shapes.items():
-        if tuple(dump.arrays[name].shape) != shape:
-            raise ValueError(f"{where}: array {name!r} has shape {tuple(dump.arrays[name].shape)}, "
-                             f"the header says {shape}")
-
-
-class _Series:
-    """The recorded series of a dump, up to the trigger, as Python lists."""
-
-    def __init__(self, dump: FlightDump):
-        h, a = dump.header, dump.arrays
-        self.header = h
-        steps = [int(s) for s in a["steps"].tolist()]
-        self.trigger = int(h["step"])
-        self.steps = steps
-        self.n = len(steps)
-        # recorded steps up to and including the trigger (the history the bands have before it)
-        self.upto = sum(1 for s in steps if s <= self.trigger)
-        # where the recorder's own bands apply: the trigger step, when the buffer holds it
-        self.trigger_index = self.upto - 1 if self.upto and steps[self.upto - 1] == self.trigger else None
-        self.layers = list(h["layers"])
-        scal = a["scalars"].double().tolist()
-        self.scalar_fields = list(h["scalar_fields"])
-        self.scalars = {f: [row[j] for row in scal] for j, f in enumerate(self.scalar_fields)}
-        lay = a["layers"].double().tolist()
-        self.layer_fields = list(h["layer_fields"])
-        self.per_layer = {f: {name: [row[i][j] for row in lay] for i, name in enumerate(self.layers)}
-                          for j, f in enumerate(self.layer_fields)}
-        self.spike = {}
-        if "spike" in a:
-            sp = a["spike"].bool().tolist()
-            for j, q in enumerate(h.get("spike_quantities", ["loss", "grad_norm", "update_norm"])):
-                self.spike[q] = [bool(row[j]) for row in sp]
-        cfg = h.get("config") or {}
-        self.window = int(cfg.get("window") or DEFAULTS["window"])
-        self.sigma = float(cfg.get("sigma") or DEFAULTS["sigma"])
-        self.bands = h.get("bands") or {}
-
-    def scalar(self, name: str) -> list[float] | None:
-        return self.scalars.get(name)
-
-    def layer_field(self, name: str) -> dict[str, list[float]] | None:
-        return self.per_layer.get(name)
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = math.fsum(values) / n
-    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return mean, math.sqrt(var)
-
-
-@dataclass
-class _Trace:
-    out: list[bool]
-    z: list[float]
-    mean: list[float]
-    std: list[float]
-
-
-def _trace(values: list[float], n: int, window: int, sigma: float, min_history: int,
-           nonfinite_nan: list[bool] | None = None, forced: list[bool] | None = None,
-           trigger_band: dict | None = None, trigger_index: int | None = None) -> _Trace:
-    """Per recorded step up to ``n``: out of band or not, z, and the band (see the module doc)."""
-    out, zs, means, stds = [False] * n, [math.nan] * n, [math.nan] * n, [math.nan] * n
-    for i in range(n):
-        x = values[i]
-        if math.isnan(x) and not (nonfinite_nan and nonfinite_nan[i]):
-            continue  # not recorded at this step
-        history = [values[j] for j in range(max(0, i - window), i) if math.isfinite(values[j]) and not out[j]]
-        mean = std = math.nan
-        if len(history) >= min_history:
-            mean, std = _mean_std(history)
-        elif i == trigger_index and trigger_band and int(trigger_band.get("count") or 0) >= min_history \
-                and math.isfinite(trigger_band.get("mean", math.nan)) \
-                and math.isfinite(trigger_band.get("std", math.nan)):
-            mean, std = float(trigger_band["mean"]), float(trigger_band["std"])
-        means[i], stds[i] = mean, std
-        if not math.isfinite(x):
-            zs[i], out[i] = math.inf, True
-            continue
-        if math.isfinite(mean):
-            scale = max(std, STD_FLOOR * abs(mean))
-            z = (x - mean) / scale if scale > 0 else (math.inf if x > mean else 0.0)
-            zs[i] = z
-            out[i] = z > sigma
-        if forced and forced[i]:
-            out[i] = True  # z stays NaN without a band
-    return _Trace(out, zs, means, stds)
-
-
-def _first_departure(trace: _Trace, n: int, start: int) -> int | None:
-    first = next((i for i in range(start, n) if trace.out[i]), None)
-    if first is None:
-        return None
-    i = first
-    while i > 0:  # back to the start of the run of out-of-band steps (missing values do not end it)
-        j = i - 1
-        while j >= 0 and math.isnan(trace.z[j]) and not trace.out[j]:
-            j -= 1
-        if j < 0 or not trace.out[j]:
-            break
-        i = j
-    return i
-
-
-def _departure(series: _Series, trace: _Trace, values: list[float], i: int, layer: str | None) -> Departure:
+def _departure(series: Series, trace: Trace, values: list[float], i: int, layer: str | None) -> Departure:
     step = series.steps[i]
     return Departure(layer=layer, step=step, steps_before=series.trigger - step, z=trace.z[i], value=values[i],
                      mean=trace.mean[i], std=trace.std[i])
-
-
-def _nonfinite_nan(series: _Series, values: list[float], counts: list[float] | None, need_earlier: bool) -> list[bool]:
-    """Per step, whether a NaN in ``values`` there would be a non-finite value rather than "not
-    recorded": ``counts`` positive there, and with ``need_earlier`` a value recorded before."""
-    out = []
-    seen = False
-    for i in range(series.n):
-        c = counts[i] if counts is not None else math.nan
-        out.append(bool(math.isfinite(c) and c > 0 and (seen or not need_earlier)))
-        seen = seen or math.isfinite(values[i])
-    return out
-
-
-def _armed(series: _Series) -> list[float]:
-    """Per step, 1.0 where any layer's activation RMS was recorded (an armed step), else 0.0."""
-    act = series.layer_field("act_rms") or {}
-    return [float(any(math.isfinite(v[i]) for v in act.values())) for i in range(series.n)]
-
-
-def _traces(series: _Series, min_history: int) -> dict:
-    """{quantity: (total (values, trace) or None, {layer: (values, trace)})} for each quantity
-    that has any value in the buffer."""
-    n, w, sg = series.n, series.window, series.sigma
-    nonfinite = series.scalar("nonfinite")
-    grad_nf = series.layer_field("grad_nonfinite")
-    armed = _armed(series)
-    skipped = series.scalar("skipped")
-    out = {}
-    for q, (total_name, layer_field) in QUANTITIES.items():
-        total, layers = None, {}
-        values = series.scalar(total_name) if total_name else None
-        if values is not None:
-            values = list(values)
-            if q == "update_norm" and skipped is not None:  # a skipped step makes no update
-                values = [math.nan if s == 1.0 else v for v, s in zip(values, skipped)]
-            nf = None
-            if q in ("grad_norm", "loss"):
-                nf = _nonfinite_nan(series, values, nonfinite, need_earlier=(q == "loss"))
-            if any(math.isfinite(v) or (nf and nf[i]) for i, v in enumerate(values[:n])):
-                total = (values, _trace(values, n, w, sg, min_history, nf, series.spike.get(q),
-                                        series.bands.get(q), series.trigger_index))
-        per_layer = series.layer_field(layer_field) if layer_field else None
-        if per_layer is not None:
-            for name, values in per_layer.items():
-                values = list(values)
-                if q == "update_norm" and skipped is not None:
-                    values = [math.nan if s == 1.0 else v for v, s in zip(values, skipped)]
-                nf = None
-                if q == "grad_norm" and grad_nf is not None:
-                    nf = _nonfinite_nan(series, values, grad_nf[name], need_earlier=False)
-                elif q == "act_rms":
-                    nf = _nonfinite_nan(series, values, armed, need_earlier=True)
-                if any(math.isfinite(v) or (nf and nf[i]) for i, v in enumerate(values[:n])):
-                    layers[name] = (values, _trace(values, n, w, sg, min_history, nf))
-        if total is not None or layers:
-            out[q] = (total, layers)
-    return out
 
 
 def explain(dump, *, lookback: int = 16, min_history: int = 5) -> Diagnosis:
@@ -497,22 +311,22 @@ def explain(dump, *, lookback: int = 16, min_history: int = 5) -> Diagnosis:
     Raises:
         ValueError: ``dump`` is not a flight-recorder dump, or lacks its arrays.
     """
-    dump, path = _as_dump(dump)
-    _check(dump, path)
-    series = _Series(dump)
+    dump, path = as_dump(dump)
+    check_dump(dump, path)
+    series = Series(dump)
     trigger = series.header.get("trigger") or {}
     n, start = series.n, max(0, series.upto - lookback)
-    traces = _traces(series, min_history)
+    traces = band_traces(series, min_history)
     events = []
     for q, (total, layers) in traces.items():
         t_dep = None
         if total is not None:
-            i = _first_departure(total[1], n, start)
+            i = first_departure(total[1], n, start)
             if i is not None:
                 t_dep = _departure(series, total[1], total[0], i, None)
         l_deps = []
         for name, (values, trace) in layers.items():
-            i = _first_departure(trace, n, start)
+            i = first_departure(trace, n, start)
             if i is not None:
                 l_deps.append(_departure(series, trace, values, i, name))
         l_deps.sort(key=lambda d: (d.step, -d.z if not math.isnan(d.z) else math.inf))
@@ -533,12 +347,12 @@ def explain(dump, *, lookback: int = 16, min_history: int = 5) -> Diagnosis:
                      lookback=lookback, path=path)
 
 
-def _nonfinite_origin(series: _Series, trigger: dict) -> NonFiniteOrigin | None:
+def _nonfinite_origin(series: Series, trigger: dict) -> NonFiniteOrigin | None:
     traced = trigger.get("first_nonfinite")
     counts = series.layer_field("grad_nonfinite") or {}
     total = series.scalar("nonfinite")
     act = series.layer_field("act_rms") or {}
-    act_nf = {name: _nonfinite_nan(series, v, _armed(series), need_earlier=True) for name, v in act.items()}
+    act_nf = {name: nan_is_nonfinite(series, v, armed_steps(series), need_earlier=True) for name, v in act.items()}
     step, layers, acts = None, [], []
     for i in range(series.n):
         here = [name for name, c in counts.items() if math.isfinite(c[i]) and c[i] > 0]
@@ -584,109 +398,11 @@ def plot_dump(dump, path: str | os.PathLike, window: int | None = None, *, dpi: 
     return os.fspath(path)
 
 
-PANELS = [("loss", "loss", None), ("grad_norm", "total gradient norm", None),
-          ("update_norm", "total update norm", None), ("grad_norm", "gradient L2 per layer", "grad_l2"),
-          ("update_norm", "update RMS per layer", "update_rms"), ("act_rms", "activation RMS per layer", "act_rms")]
-
-
 def dump_figure(dump, window: int | None = None, *, lookback: int = 16, min_history: int = 5):
     """The figure :func:`plot_dump` draws (a matplotlib ``Figure``), of a dump's path or a
     ``FlightDump``; ``lookback`` and ``min_history`` as for :func:`explain`."""
-    matplotlib = require("matplotlib", "matplotlib", "plot_dump")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from gradfuse.monitor.figures import FONT
-
-    dump, path = _as_dump(dump)
-    _check(dump, path)
+    pyplot = explain_plot.pyplot()  # matplotlib first: without it no dump is read
+    dump, path = as_dump(dump)
+    check_dump(dump, path)
     diagnosis = explain(dump, lookback=lookback, min_history=min_history)
-    series = _Series(dump)
-    traces = _traces(series, min_history)
-    events = {e.quantity: e for e in diagnosis.events}
-    n = series.n
-    lo = 0 if window is None else max(0, series.upto - 1 - window)
-    hi = n
-    panels = []
-    for q, title, field_name in PANELS:
-        if q not in traces:
-            continue
-        total, layers = traces[q]
-        if field_name is None and total is not None:
-            panels.append((q, title, {None: total}))
-        elif field_name is not None and layers:
-            panels.append((q, title, layers))
-    rows = max(len(panels), 1)
-    fig, axes = plt.subplots(rows, 1, figsize=(9, 1.0 + 2.1 * rows), sharex=True, squeeze=False,
-                             layout="constrained")
-    axes = axes[:, 0]
-    colours = plt.get_cmap("tab10").colors
-    steps_all = series.steps
-    for ax, (q, title, lines) in zip(axes, panels):
-        event = events.get(q)
-        named = [d.layer for d in event.layers] if event else []
-        finite, bands = [], []
-        for key, (values, trace) in lines.items():
-            xs = steps_all[lo:hi]
-            ys = values[lo:hi]
-            if key is None:
-                style = {"color": "k", "lw": 1.5, "label": q}
-                band_of = True
-            elif key in named[:len(colours)]:
-                style = {"color": colours[named.index(key)], "lw": 1.6, "label": key, "zorder": 3}
-                band_of = key == named[0]
-            else:
-                style = {"color": "0.7", "lw": 0.8, "zorder": 1}
-                band_of = False
-            shown = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]  # sparse series stay joined
-            ax.plot([x for x, _ in shown], [y for _, y in shown], marker=".", ms=3, **style)
-            finite += [y for _, y in shown]
-            if band_of:
-                bx, blo, bhi = [], [], []
-                for i in range(lo, n):
-                    m, s = trace.mean[i], trace.std[i]
-                    if math.isfinite(m) and math.isfinite(s):
-                        half = series.sigma * max(s, STD_FLOOR * abs(m))
-                        bx.append(steps_all[i])
-                        blo.append(m - half)
-                        bhi.append(m + half)
-                if bx:  # drawn once the scale is known (on a log scale its lower edge is cut)
-                    bands.append((bx, blo, bhi, style["color"], f"band of {key or q}: mean ± {series.sigma:g} std"))
-            outs = [i for i in range(lo, n) if trace.out[i] and math.isfinite(values[i])]
-            if outs and (key is None or key in named):
-                ax.scatter([steps_all[i] for i in outs], [values[i] for i in outs], s=28,
-                           facecolor="none", edgecolor=style["color"], lw=1.3, zorder=4)
-            bad = [steps_all[i] for i in range(lo, n) if trace.out[i] and not math.isfinite(values[i])]
-            if bad:
-                ax.scatter(bad, [1.0] * len(bad), transform=ax.get_xaxis_transform(), marker="v", s=40,
-                           color="tab:red", clip_on=False, zorder=5,
-                           label="non-finite" if key is None or key == (named[:1] or [None])[0] else None)
-        log = finite and min(finite) > 0 and max(finite) > 10 * min(finite)  # log scale for a jump of 10x or more
-        if log:
-            ax.set_yscale("log")
-        for bx, blo, bhi, colour, label in bands:
-            if log:
-                blo = [max(v, min(finite) / 2) for v in blo]
-            ax.fill_between(bx, blo, bhi, color=colour, alpha=0.15, lw=0, label=label)
-        ax.axvline(series.trigger, color="tab:red", ls="--", lw=1.2,
-                   label=f"trigger: step {series.trigger} ({diagnosis.kind})" if ax is axes[0] else None)
-        if event is not None:
-            title += f": left its band {_when(event.steps_before)} (step {event.step})"
-        ax.set_title(title, fontsize=FONT["title"], loc="left")
-        others = len(lines) - len([k for k in lines if k in named[:len(colours)]])
-        if None not in lines and others:
-            label = f"other layers ({others})" if named else f"layers ({others}), all within their bands"
-            ax.plot([], [], color="0.7", lw=0.8, label=label)
-        ax.legend(fontsize=FONT["legend"], loc="best", ncols=2)
-        ax.grid(True, which="both", alpha=0.2)
-        ax.tick_params(labelsize=FONT["tick"])
-    if not panels:
-        axes[0].text(0.5, 0.5, "no quantity recorded in this dump", ha="center", va="center",
-                     transform=axes[0].transAxes, fontsize=FONT["label"])
-    axes[-1].set_xlabel("step", fontsize=FONT["label"])
-    first = diagnosis.first()
-    head = f"flight recorder, step {diagnosis.step}: {diagnosis.kind}"
-    if first is not None:
-        head += f"; {first.quantity} left its band first, {_when(first.steps_before)}"
-    fig.suptitle(head, fontsize=FONT["title"] + 1)
-    return fig
+    return explain_plot.figure(pyplot, dump, diagnosis, window=window, min_history=min_history)
