@@ -139,3 +139,13 @@ def test_the_dumps_load_back_with_the_steps_before_the_trouble(runs):
     assert dump.header["trigger"]["kind"] == "spike" and dump.header["step"] == report.step
     loss = dump.arrays["scalars"][:, dump.header["scalar_fields"].index("loss")]
     assert torch.isfinite(loss).all() and loss[-1] > loss[:-2].max()  # the loss the loop passed, its spike
+
+
+def test_the_cost_benchmark_runs():
+    """A tiny run of benchmarks/recorder_cost.py, so that it cannot rot (not a timing)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/recorder_cost.py", "--steps", "1", "--layers", "1",
+                          "--width", "32", "--seq", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| recorder | " in out.stdout and "| recorder+updates | " in out.stdout
