@@ -3,7 +3,10 @@ GPT2LMHeadModel, random init, AdamW, clipped by the monitor, logging every 100 s
 monitor alone, with ``recorder=FlightRecorder(record_updates=False)`` (the ring, the spike
 detector, the per-layer rows: the recorder's own work) and with ``record_updates=True`` (also the
 update statistics it records). The variants take turns step by step in one process; medians of the
-step times, and each variant's median over the monitor alone.
+step times and of the time in ``monitor.step()`` alone, each variant's median step over the
+monitor alone's, and what the variant adds inside ``monitor.step()`` as a fraction of the step
+(the difference of the ``monitor.step()`` medians over the monitor alone's median step: a figure
+that the noise of the forward and backward does not swamp).
 
     python benchmarks/recorder_cost.py [--steps 12] [--batch 2] [--seq 128] [--layers 12]
 
@@ -49,27 +52,32 @@ def main(argv=None) -> int:
             optimizer=opt, dump_dir=tmp)),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
+    in_monitor: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(args.steps + 2):
         for name, monitor in (variants.items() if i % 2 == 0 else reversed(variants.items())):
             t0 = time.perf_counter()
             loss = model(tokens, labels=tokens).loss
             loss.backward()
+            t1 = time.perf_counter()
             report = monitor.step(loss=loss)
+            t2 = time.perf_counter()
             if not report.skip:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
+                in_monitor[name].append(t2 - t1)
     n = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 ({args.layers} layers, width {args.width}, {n / 1e6:.1f}M parameters), batch "
           f"{args.batch} x {args.seq}, AdamW, clipped, logging every 100 steps; {args.steps} steps per "
           f"variant, taking turns, {torch.get_num_threads()} threads")
     base = statistics.median(times["monitor"])
-    print("| variant | median step (ms) | / monitor |")
-    print("|---|---:|---:|")
+    base_in = statistics.median(in_monitor["monitor"])
+    print("| variant | median step (ms) | / monitor | median monitor.step() (ms) | added, % of the step |")
+    print("|---|---:|---:|---:|---:|")
     for name, ts in times.items():
-        m = statistics.median(ts)
-        print(f"| {name} | {1e3 * m:.1f} | {m / base:.3f} |")
+        m, m_in = statistics.median(ts), statistics.median(in_monitor[name])
+        print(f"| {name} | {1e3 * m:.1f} | {m / base:.3f} | {1e3 * m_in:.2f} | {100 * (m_in - base_in) / base:.2f} |")
     for monitor in variants.values():
         monitor.close()
     return 0
