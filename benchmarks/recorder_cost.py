@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         "recorder": gradfuse.GradMonitor(model, max_norm=1.0, every=100, recorder=gradfuse.FlightRecorder(
             record_updates=False, dump_dir=tmp)),
         "recorder+updates": gradfuse.GradMonitor(model, max_norm=1.0, every=100, recorder=gradfuse.FlightRecorder(
-            optimizer=opt, dump_dir=tmp)),
+            optimizer=opt, record_updates=True, dump_dir=tmp)),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     in_monitor: dict[str, list[float]] = {name: [] for name in variants}

@@ -107,7 +107,7 @@ def test_per_layer_values_equal_grad_stats_layers():
 def test_loss_is_nan_when_not_passed_and_recorded_when_passed():
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt))
+    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt, record_updates=True))
     train(model, mon, opt, 2, pass_loss=False)
     loss = model(batch(5)).square().mean()
     loss.backward()
@@ -136,7 +136,7 @@ def test_update_statistics_equal_the_applied_update(make):
     torch.manual_seed(2)
     model = Blocks()
     opt = make(model.parameters())
-    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt), max_norm=1.0)
+    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt, record_updates=True), max_norm=1.0)
     train(model, mon, opt, 3)  # momentum buffers and Adam moments exist
     loss = model(batch(9, 3.0)).square().mean()
     loss.backward()
@@ -259,8 +259,8 @@ def test_no_host_read_per_step_with_the_recorder_and_no_policy():
     torch.manual_seed(4)
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    mon = GradMonitor(model, every=0, on_nonfinite="ignore", recorder=FlightRecorder(optimizer=opt),
-                      on_spike="ignore")
+    mon = GradMonitor(model, every=0, on_nonfinite="ignore",
+                      recorder=FlightRecorder(optimizer=opt, record_updates=True), on_spike="ignore")
     train(model, mon, opt, 2)  # warm-up: the ring, the index caches, the momentum buffers
     for i in range(3):
         loss = model(batch(i)).square().mean()
@@ -279,7 +279,8 @@ def test_one_read_when_a_policy_decides():
     torch.manual_seed(4)
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt))  # policies: skip, warn
+    # policies: skip, warn
+    mon = GradMonitor(model, every=0, recorder=FlightRecorder(optimizer=opt, record_updates=True))
     train(model, mon, opt, 2)
     for i in range(3):
         loss = model(batch(i)).square().mean()
@@ -374,7 +375,7 @@ def test_attach_passes_the_closure_loss_and_handle_loss():
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
-    with gradfuse.attach(opt, model, recorder=True, every=0) as handle:
+    with gradfuse.attach(opt, model, recorder=FlightRecorder(record_updates=True), every=0) as handle:
         for i in range(2):
             def closure(i=i):
                 opt.zero_grad()
@@ -451,7 +452,7 @@ def test_lightning_hands_the_loss_to_the_step_just_taken(accumulate):
     from lightning_harness import fit
 
     from gradfuse.integrations.lightning import GradfuseCallback
-    cb = GradfuseCallback(recorder=True, on_spike="ignore")
+    cb = GradfuseCallback(recorder=FlightRecorder(record_updates=True), on_spike="ignore")
     fit([cb], accumulate=accumulate)
     _, arrays = cb.monitor.recorder.unroll()
     scalars = arrays["scalars"]
@@ -468,7 +469,7 @@ def test_the_hf_trainer_hands_each_update_its_loss(tmp_path):
 
     from gradfuse.integrations.transformers import attach as hf_attach
     trainer, _opt = make_trainer(tmp_path, 1.0)
-    cb = hf_attach(trainer, recorder=True, on_spike="ignore")
+    cb = hf_attach(trainer, recorder=FlightRecorder(record_updates=True), on_spike="ignore")
     hf_train(trainer)
     _, arrays = cb.monitor.recorder.unroll()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]

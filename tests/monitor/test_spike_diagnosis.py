@@ -49,7 +49,8 @@ def train(kind: str, dump_dir):
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = GradMonitor(model, every=0, recorder=FlightRecorder(steps=48, window=40, warmup=20, dump_dir=dump_dir),
+    monitor = GradMonitor(model, every=0, recorder=FlightRecorder(steps=48, window=40, warmup=20, dump_dir=dump_dir,
+                                                                     record_updates=True),
                           on_spike="dump", on_nonfinite="skip", trace_nonfinite=kind == "nan", update_ratios=opt)
     reports, hook = [], None
     for step in range(STEPS):
