@@ -85,7 +85,7 @@ def test_capture_takes_the_probe_and_still_counts_a_partly_dead_layer(monkeypatc
 
 
 def test_benchmark_and_profile_scripts_run(capsys):
-    """The scripts behind RESULTS.md's issue-16 numbers run (tiny models, one round; no timing
+    """The scripts behind RESULTS.md's activation-capture numbers run (tiny models, one round; no timing
     is checked here)."""
     import os
     import sys
