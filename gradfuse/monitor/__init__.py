@@ -3,10 +3,11 @@ module of its own: the step plan (``gradfuse.monitor.step_plan``), the policies
 (``gradfuse.monitor.policies``), the sink set and the sinks (``gradfuse.monitor.sink_set``,
 ``gradfuse.monitor.sinks``), the clip strategy (``gradfuse.monitor.clip_strategy``), the
 dynamics (``gradfuse.monitor.dynamics``), the activation hooks
-(``gradfuse.monitor.activation_hooks``), the flight recorder and its dump file
-(``gradfuse.monitor.recorder``, ``gradfuse.monitor.flight_dump``), and what a step hands back and logs: ``StepReport``
-and ``GradientAnomaly`` (``gradfuse.monitor.report``) and the record
-(``gradfuse.monitor.record``).
+(``gradfuse.monitor.activation_hooks``), the flight recorder, its spike detector, the
+monitor's calls into it and its dump file (``gradfuse.monitor.recorder``,
+``gradfuse.monitor.spikes``, ``gradfuse.monitor.recorder_hooks``, ``gradfuse.monitor.flight_dump``),
+and what a step hands back and logs: ``StepReport`` and ``GradientAnomaly``
+(``gradfuse.monitor.report``) and the record (``gradfuse.monitor.record``).
 
 Layer: monitor, above the capabilities. Imports ``gradfuse.core``, ``gradfuse.clip``,
 ``gradfuse.numerics``, ``gradfuse.activations`` and ``gradfuse.dynamics``, never
