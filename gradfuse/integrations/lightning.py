@@ -83,7 +83,8 @@ class GradfuseCallback(Callback):
             in ``on_after_backward`` (in examples: the first tensor of the batch); the activation
             hooks go on the LightningModule, for the batches Lightning logs, with the first
             optimizer's monitor, and so does the flight recorder (``recorder=``), which records
-            that optimizer's updates and the loss of ``training_step``. Lightning hands the loss
+            the loss of ``training_step`` (and that optimizer's updates, with
+            ``FlightRecorder(record_updates=True)``). Lightning hands the loss
             over only after the optimizer step (``on_train_batch_end``; under gradient
             accumulation the sum of the micro-batches' normalized losses): it is written into the
             row of the step just taken, and its spike is acted on at the next step.

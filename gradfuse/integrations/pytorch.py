@@ -375,8 +375,9 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
             ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on
-            its modules). ``recorder=True`` (a flight recorder) records the attached optimizers'
-            updates, and the loss of ``optimizer.step(closure)`` or of ``handle.loss(loss)``.
+            its modules). ``recorder=True`` (a flight recorder) records the loss of
+            ``optimizer.step(closure)`` or of ``handle.loss(loss)`` (and the attached optimizers'
+            updates, with ``FlightRecorder(record_updates=True)``).
 
     Returns:
         The handle: ``monitor``, ``last_report``, ``state_dict()``, ``detach()``

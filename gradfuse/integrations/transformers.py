@@ -302,9 +302,10 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             ``update_ratios=True`` takes the Trainer's optimizer; ``noise_scale=True`` counts the
             micro-batches of gradient accumulation, in examples of
             ``per_device_train_batch_size``; the activation hooks go on ``trainer.model`` for the
-            updates the Trainer logs; the flight recorder (``recorder=``) records the Trainer's
-            optimizer's updates and the loss of each update (the Trainer's training loss summed
-            over its micro-batches, as ``training_step`` returns it).
+            updates the Trainer logs; the flight recorder (``recorder=``) records the loss of each
+            update (the Trainer's training loss summed over its micro-batches, as
+            ``training_step`` returns it) and, with ``FlightRecorder(record_updates=True)``, the
+            Trainer's optimizer's updates.
 
     Returns:
         The callback (``monitor``, ``last_report``, ``close()``).
