@@ -41,7 +41,8 @@ LAYERS = [
 ]
 LAYER_NAMES = {0: "ops", 1: "core", 2: "capabilities", 3: "functional", 4: "monitor", 5: "viz",
                6: "integrations", 7: "top"}
-HISTORY_WORDS = re.compile(r"\bissue[ #-]*[0-9]+|\bsessions?\b|\bas before\b|\balways (?:were|was|had)\b", re.IGNORECASE)
+HISTORY_WORDS = re.compile(r"\bissue[ #-]*[0-9]+|\bsessions?\b|\bas before\b|\balways (?:were|was|had)\b",
+                           re.IGNORECASE)
 HISTORY_EXEMPT = re.compile(r"Session\(|_session|session_|scope=[\"']session[\"']")
 # Where the history-word check looks: these folders (all their text files) and these top-level
 # files (glob patterns). CHANGELOG.md is where the history goes, so it is not among them.
