@@ -1,6 +1,7 @@
-"""The full health of a run on every step, against the step clipped by torch and the monitor that
-only clips: a GPT-2 small step on the CPU (transformers' GPT2LMHeadModel, random init, AdamW,
-batch 2 x 128), with
+"""The full health of a run on every step, against torch's clipped step and the monitor that clips.
+
+A GPT-2 small step on the CPU (transformers' GPT2LMHeadModel, random init, AdamW, batch 2 x 128),
+with
 
 - ``torch clip``: ``clip_grad_norm_(model.parameters(), 1.0)`` then ``optimizer.step()``;
 - ``monitor (clip)``: ``GradMonitor(model, max_norm=1.0, every=0)``: the fused statistics and the
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     rss = {} if args.no_memory else {name: peak_rss(args, name) for name in VARIANTS}
-    print("| variant | median step (ms) | / torch clip | / monitor (clip) | peak RSS (MB) | extra over monitor (clip), % of parameters |")
+    print("| variant | median step (ms) | / torch clip | / monitor (clip) | peak RSS (MB) "
+          "| extra over monitor (clip), % of parameters |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in VARIANTS:
         mem = (f"{rss[name]:.0f} | {100 * (rss[name] - rss['monitor (clip)']) / param_mb:+.1f}" if rss else "- | -")

@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     d.add_argument("--out", default="runs/demo", help="folder for run.jsonl and gradflow.png")
     d.add_argument("--tiny", action="store_true", help="tiny sizes (for tests)")
     p = sub.add_parser("plot", help="draw gradient flow from a GradMonitor JSONL log (and, for "
-                                    "activations=True logs, <output>_activations.png)")
+                                    "activations=True logs, <output>_activations.png; for "
+                                    "update_ratios logs, <output>_updates.png)")
     p.add_argument("jsonl")
     p.add_argument("-o", "--output", default=None,
                    help="the picture (default gradflow.png), or with --animate the animation "
@@ -72,10 +73,14 @@ def main(argv=None) -> int:
             args.output = "gradflow.png"
         from gradfuse.monitor.sinks import read_jsonl
         from gradfuse.viz import activations as pa  # GradMonitor(activations=True) logs
+        from gradfuse.viz import updates as pu
         from gradfuse.viz.gradflow import plot_gradflow
         print(plot_gradflow(args.jsonl, args.output))
-        if pa.has_activations(read_jsonl(args.jsonl)):
+        records = read_jsonl(args.jsonl)
+        if pa.has_activations(records):
             print(pa.plot_activations(args.jsonl, pa.activations_path(args.output)))
+        if pu.has_updates(records):  # GradMonitor(update_ratios=...) logs
+            print(pu.plot_updates(args.jsonl, pu.updates_path(args.output)))
     elif args.command == "explain":
         return explain_dump(args.dump, plot=args.plot, as_json=args.json, lookback=args.lookback)
     elif args.command == "info":
