@@ -256,3 +256,16 @@ def _assert_close_nested(a, b):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     else:
         assert a == b
+
+
+@pytest.mark.parametrize("own_optimizer", [True, False], ids=["given_optimizer", "trainers_optimizer"])
+def test_a_skipped_first_update_raises_no_scheduler_warning(tmp_path, own_optimizer):
+    """A first update that gradfuse skips (non-finite gradients): the Trainer's LR scheduler, built
+    before the step gate, warns neither that the step was overridden nor that it stepped before
+    the optimizer; gradfuse's own warning about the skip is the only one."""
+    trainer, _ = make_trainer(tmp_path, MAX_NORM, accumulate=1, max_steps=3, own_optimizer=own_optimizer)
+    trainer.add_callback(PlantAt({0: math.nan}))
+    cb = attach(trainer)
+    _, seen = _run_recording_warnings(trainer)
+    assert cb.monitor.skipped_steps == 1
+    assert [m for _, m in seen] == [m for _, m in seen if "optimizer step skipped" in m] and len(seen) == 1
