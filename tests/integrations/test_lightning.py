@@ -225,3 +225,38 @@ def test_lr_scheduler_sees_the_step_it_wrapped(nan_batch):
     assert (sched._step_count, sched.last_epoch, sched.get_last_lr()) == (
         ref_sched._step_count, ref_sched.last_epoch, ref_sched.get_last_lr())
     assert hasattr(trainer.optimizers[0].step, "_wrapped_by_lr_sched")  # the scheduler's wrapper, back
+
+
+class ClipsInItsHook(lightning_harness.Tiny):
+    """Clips the gradients itself in on_before_optimizer_step (before Lightning's clipping path)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+
+def _double_clip_warnings(seen):
+    return [w for w in seen if "already changed in place" in str(w.message)]
+
+
+def test_double_clip_warned_on_steps_gradfuse_clips_only():
+    """A module that clips in its own hook before gradfuse clips: warned once. An override of
+    configure_gradient_clipping that changes the gradients itself and asks for no clip (as one of
+    Lightning's own tests does): gradfuse clips nothing and does not warn. 16-mixed: the scaler's
+    unscale is no double clip."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class ClampsItself(lightning_harness.Tiny):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            for p in self.parameters():
+                p.grad.clamp_(min=0, max=1e-2)
+
+    cases = [(ClipsInItsHook(), {}, 1), (ClampsItself(), {}, 0),
+             (lightning_harness.Tiny(), {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
+                 "cpu", init_scale=2.0**8))]}, 0)]
+    for model, kwargs, expected in cases:
+        cb = GradfuseCallback()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fit([cb], model=model, gradient_clip_val=MAX_NORM, **kwargs)
+        assert len(_double_clip_warnings(seen)) == expected, type(model).__name__
+        assert cb.monitor.clipped_steps == (0 if isinstance(model, ClampsItself) else 8)
