@@ -275,3 +275,35 @@ def test_scheduler_state_and_results_as_without_gradfuse(tmp_path, order):
             assert mine["param_groups"] == theirs["param_groups"]
             for k in theirs["state"]:
                 torch.testing.assert_close(mine["state"][k], theirs["state"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_handle_is_saved_and_loaded_with_accelerates_state(tmp_path):
+    """accelerator.register_for_checkpointing(handle): save_state / load_state carry the monitor's
+    step number and counters."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = nn.Linear(4, 2)
+        model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        handle = gradfuse.attach(opt, model, max_norm=1e-3, every=0)
+        accelerator.register_for_checkpointing(handle)
+
+        def step():
+            accelerator.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            step()
+        accelerator.save_state(str(tmp_path))
+        saved = handle.state_dict()
+        step()
+        assert handle.state_dict() != saved
+        accelerator.load_state(str(tmp_path))
+        assert handle.state_dict() == saved and saved["step"] == 3 and saved["clipped_steps"] == 3
+        handle.detach()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
