@@ -294,7 +294,7 @@ class GradfuseCallback(Callback):
         self._fit = None  # (trainer, LightningModule) during the fit
         self._path: _ClipPath | None = None
         self._round: dict[int, StepReport] = {}  # by optimizer: the monitor's report for its coming step
-        self._double_clip: dict[int, DoubleClipCheck] = {}
+        self._double_clip: dict[int, DoubleClipCheck] = {}  # by optimizer index, as the monitors
         self._loss = None  # the losses of the micro-batches since the last step (flight recorder)
         self._stepped = False
 
@@ -383,13 +383,14 @@ class GradfuseCallback(Callback):
         for, policies), numbered as Lightning numbers its logged steps and logged when Lightning logs."""
         trainer, _ = self._fit
         mon = self._monitor(optimizer)
-        check = self._double_clip.get(id(optimizer))
+        index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
+        check = self._double_clip.get(index)
         if check is not None:
             name = check.changed(self._unscaled_before(mon, optimizer))
             clips = mode is not None and (mode != OWN or any(
                 m is not None for m in (mon.max_norm, mon.clip_value, mon.agc)))
             if name is not None and clips:
-                self._double_clip.pop(id(optimizer)).remove()  # the warning is shown once
+                self._double_clip.pop(index).remove()  # the warning is shown once
                 warn(double_clip_message(CALL_NAME, name))
         mon.step_count = _log_step(trainer)
         with _clip_mode(mon, mode):
@@ -427,7 +428,7 @@ class GradfuseCallback(Callback):
                 kwargs.pop("recorder", None)
             named = named_optimizer_params([optimizer], pl_module)
             if kwargs.pop("check_double_clip", True):  # checked here, on the steps gradfuse clips
-                self._double_clip[id(optimizer)] = DoubleClipCheck([p for _, p in named], [n for n, _ in named])
+                self._double_clip[index] = DoubleClipCheck([p for _, p in named], [n for n, _ in named])
             mon = GradMonitor(named, max_norm=self.max_norm, every=0, scaler=scaler,
                               optimizer=optimizer if scaler is not None else None, sinks=sinks,
                               check_double_clip=False, **({"module": pl_module} if hooks else {}), **kwargs)
@@ -495,9 +496,6 @@ class GradfuseCallback(Callback):
             self._path = None
         self._round.clear()
         self._fit = None
-        for check in self._double_clip.values():
-            check.remove()
-        self._double_clip.clear()
         for mon in self.monitors.values():
             mon.disarm_activations()  # no activation hook outlives the fit
         self._trainer_request = None
