@@ -358,7 +358,7 @@ class GradfuseCallback(Callback):
         report = self._round.get(id(optimizer))
         if report is None:  # a precision plugin with no clipping path of Lightning's: the monitor runs here
             report = self._run(optimizer, OWN)
-        return report.skip
+        return report is not None and report.skip
 
     def _pending(self, optimizer) -> bool:
         """Whether ``optimizer`` is one of the fit's and the monitor has not run for its coming step."""
@@ -378,11 +378,14 @@ class GradfuseCallback(Callback):
         trainer, pl_module = self._fit
         return self._monitor_for(trainer, pl_module, optimizer)
 
-    def _run(self, optimizer, mode) -> StepReport:
+    def _run(self, optimizer, mode) -> StepReport | None:
         """The monitor's step for ``optimizer``'s coming step (statistics, the clip ``mode`` asks
-        for, policies), numbered as Lightning numbers its logged steps and logged when Lightning logs."""
+        for, policies), numbered as Lightning numbers its logged steps and logged when Lightning logs;
+        None where Lightning takes no step (``_backward_skipped``)."""
         trainer, _ = self._fit
         mon = self._monitor(optimizer)
+        if self._backward_skipped(mon, optimizer):
+            return None
         index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
         check = self._double_clip.get(index)
         if check is not None:
@@ -399,6 +402,19 @@ class GradfuseCallback(Callback):
         self.last_report = report
         self._stepped = self._stepped or mon.recorder is not None
         return report
+
+    @staticmethod
+    def _backward_skipped(mon: GradMonitor, optimizer) -> bool:
+        """Whether this is a step that Lightning's 16-mixed plugin does not take: its
+        ``training_step`` returned None, so the backward, the unscale, ``scaler.step`` and
+        ``scaler.update`` are all skipped (the gradients are still scaled, as the scaler left them;
+        an optimizer that unscales in its own ``step`` aside). The monitor then does not run."""
+        scaler = mon.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        from torch.amp.grad_scaler import OptState
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        return state is None or state["stage"] is OptState.READY
 
     @staticmethod
     def _unscaled_before(mon: GradMonitor, optimizer) -> int:

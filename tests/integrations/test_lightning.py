@@ -260,3 +260,42 @@ def test_double_clip_warned_on_steps_gradfuse_clips_only():
             fit([cb], model=model, gradient_clip_val=MAX_NORM, **kwargs)
         assert len(_double_clip_warnings(seen)) == expected, type(model).__name__
         assert cb.monitor.clipped_steps == (0 if isinstance(model, ClampsItself) else 8)
+
+
+class SkipsOddBatches(lightning_harness.Tiny):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+class CountingScaler(torch.amp.GradScaler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"unscale_": 0, "step": 0, "update": 0}
+
+    def unscale_(self, optimizer):
+        self.calls["unscale_"] += 1
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        self.calls["step"] += 1
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, *args, **kwargs):
+        self.calls["update"] += 1
+        return super().update(*args, **kwargs)
+
+
+def test_amp_training_step_returning_none_leaves_the_scaler_to_lightning():
+    """16-mixed with a training_step that returns None on some batches: Lightning skips their
+    backward, unscale and scaler step; gradfuse runs on the other steps only, and the scaler is
+    called as without gradfuse (an unscale of its own would make Lightning's next one raise)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    counts, records = [], []
+    sink = type("Rows", (), {"write": lambda self, record: records.append(record["step"])})()
+    for callbacks in ([], [GradfuseCallback(sinks=[sink])]):
+        scaler = CountingScaler("cpu", init_scale=2.0**8)
+        fit(callbacks, model=SkipsOddBatches(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            gradient_clip_val=MAX_NORM, log_every_n_steps=1)
+        counts.append(scaler.calls)
+    assert counts[0] == counts[1] == {"unscale_": 4, "step": 4, "update": 4}
+    assert len(records) == 4 and callbacks[0].monitor.clipped_steps == 4
