@@ -81,10 +81,12 @@ class PlantNaN(TrainerCallback):
                               and all(torch.equal(after[k][n], opt_state[k][n]) for k in after for n in after[k]))
 
 
-def make_trainer(tmp_path, max_grad_norm, accumulate=2, max_steps=4, report_to=(), **kw):
+def make_trainer(tmp_path, max_grad_norm, accumulate=2, max_steps=4, report_to=(), own_optimizer=True, **kw):
+    """A Trainer of the tiny GPT-2, and its RecordingAdamW (with a constant LambdaLR built on it);
+    ``own_optimizer=False``: the Trainer makes its optimizer and scheduler itself (returns None)."""
     model = tiny_gpt2()
-    opt = RecordingAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    opt = RecordingAdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if own_optimizer else None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0) if own_optimizer else None
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=accumulate, logging_steps=1, report_to=list(report_to),

@@ -3,10 +3,14 @@
     trainer = L.Trainer(gradient_clip_val=1.0, log_every_n_steps=50,
                         callbacks=[GradfuseCallback(explode_threshold=1e4)])
 
-The callback runs the monitor in ``on_before_optimizer_step``: once per optimizer step (after
-gradient accumulation), after the precision plugin unscaled the gradients, before Lightning's
-own clipping, which it turns off. A step the policy skips is not taken (see
-``gradfuse.integrations.pytorch.StepGate``).
+The callback runs the monitor inside Lightning's own clipping path, once per optimizer step
+(after gradient accumulation), after the precision plugin unscaled the gradients and after the
+``on_before_optimizer_step`` hooks: Lightning calls ``configure_gradient_clipping``, and the clip
+that it asks for (``clip_gradients``, by norm or by value) is made by the monitor, in the same
+fused pass as its statistics and policies. An override of ``configure_gradient_clipping`` decides
+as it does without gradfuse: it may skip the clip, ask for another value or algorithm, and
+``clip_gradients`` keeps its checks and errors; nothing is clipped twice. A step the policy skips
+is not taken (see ``gradfuse.integrations.pytorch.StepGate``).
 """
 from __future__ import annotations
 
@@ -14,10 +18,14 @@ from gradfuse.utils import require
 
 require("lightning", "lightning", "integrations.lightning")
 
+from contextlib import contextmanager  # noqa: E402
+
 from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
-from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
+from gradfuse.monitor.clip_strategy import DoubleClipCheck, describe_mode, double_clip_message  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
 from gradfuse.monitor.sinks import metrics  # noqa: E402
 from gradfuse.utils import warn  # noqa: E402
@@ -63,6 +71,144 @@ def _should_log(trainer) -> bool:
     return n > 0 and (_log_step(trainer) + 1) % n == 0
 
 
+# The clip of one step, as the clipping path asks for it: the callback's own mode (its max_norm,
+# per=, clip_value=, agc=, or what it took from the Trainer), none, or (algorithm, value).
+OWN = "own"
+CALL_NAME = "gradfuse GradfuseCallback (Lightning, in its clipping path)"  # what warnings name
+
+
+def _algorithm(algorithm) -> str:
+    # "norm" or "value", from Lightning's GradClipAlgorithmType, a string or None (norm).
+    return "value" if str(getattr(algorithm, "value", algorithm)).lower() == "value" else "norm"
+
+
+def _unwrap(optimizer):
+    # The torch optimizer behind a LightningOptimizer (what self.optimizers() returns).
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+@contextmanager
+def _clip_mode(mon: GradMonitor, mode):
+    """The monitor clips by ``mode`` for one step (``OWN``: as configured; None: not at all;
+    ``("norm", v)`` / ``("value", v)``: by total 2-norm / by value), its configuration restored after."""
+    if mode == OWN:
+        yield
+        return
+    saved = (mon.max_norm, mon.clip_value, mon.agc, mon.per)
+    algorithm, value = mode if mode is not None else (None, None)
+    mon.max_norm = float(value) if algorithm == "norm" else None
+    mon.clip_value = float(value) if algorithm == "value" else None
+    mon.agc = mon.per = None
+    try:
+        yield
+    finally:
+        mon.max_norm, mon.clip_value, mon.agc, mon.per = saved
+
+
+class _ClipPath:
+    """gradfuse in the clipping path of one fit's precision plugin.
+
+    Instance attributes over the plugin's methods (``remove`` takes them off):
+
+    - ``clip_gradients``: without a value (Lightning clips nothing), the monitor clips by the
+      callback's own mode; with one, Lightning's method runs (its checks and errors) and the clip
+      it dispatches to, ``clip_grad_by_norm`` / ``clip_grad_by_value`` (Lightning's own, not a
+      plugin's override), is made by the monitor;
+    - ``_clip_gradients`` (where Lightning calls ``configure_gradient_clipping``): when it made no
+      clip call, the monitor runs after it without clipping (with manual optimization, which has
+      no such hook, by the callback's own mode);
+    - ``optimizer_step``: the step's round ends with it.
+
+    Where the monitor ran already in the round (a second clip call, or LBFGS evaluating its
+    closure again), Lightning's own method runs."""
+
+    def __init__(self, callback: GradfuseCallback, plugin):
+        self.callback = callback
+        self.plugin = plugin
+        self.request = None  # (optimizer, value, algorithm) of the clip_gradients call in progress
+        self._saved: dict[str, tuple] = {}
+        self._patch("optimizer_step", self._optimizer_step)
+        self._patch("clip_gradients", self._clip_gradients)
+        if callable(getattr(plugin, "_clip_gradients", None)):
+            self._patch("_clip_gradients", self._configured)
+        for name, algorithm in (("clip_grad_by_norm", "norm"), ("clip_grad_by_value", "value")):
+            if getattr(type(plugin), name, None) is getattr(Precision, name):
+                self._patch(name, self._clip_by(algorithm))
+
+    def _patch(self, name: str, make) -> None:
+        plugin = self.plugin
+        self._saved[name] = (name in plugin.__dict__, plugin.__dict__.get(name))
+        wrapper = make(getattr(plugin, name))
+        self._saved[name] += (wrapper,)
+        setattr(plugin, name, wrapper)
+
+    def remove(self) -> None:
+        """Restores the plugin's methods."""
+        for name, (had_own, previous, wrapper) in self._saved.items():
+            if self.plugin.__dict__.get(name) is wrapper:
+                if had_own:
+                    setattr(self.plugin, name, previous)
+                else:
+                    delattr(self.plugin, name)
+        self._saved = {}
+
+    def _optimizer_step(self, original):
+        def optimizer_step(optimizer, *args, **kwargs):
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                self.callback._end_round(_unwrap(optimizer))
+        return optimizer_step
+
+    def _clip_gradients(self, original):
+        cb = self.callback
+
+        def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
+            args = (optimizer, clip_val) + (() if gradient_clip_algorithm is None else (gradient_clip_algorithm,))
+            opt = _unwrap(optimizer)
+            if not cb._pending(opt):
+                return original(*args, **kwargs)
+            if not clip_val or clip_val <= 0:  # Lightning clips nothing: gradfuse's own mode
+                cb._run(opt, OWN)
+                return original(*args, **kwargs)
+            previous, self.request = self.request, (opt, clip_val, _algorithm(gradient_clip_algorithm))
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self.request = previous
+            if cb._pending(opt):  # the plugin clips its own way (or not): statistics and policies
+                cb._run(opt, None)
+            return out
+        return clip_gradients
+
+    def _clip_by(self, algorithm: str):
+        cb = self.callback
+
+        def make(original):
+            def clip_by(optimizer, clip_val, *args, **kwargs):
+                opt = _unwrap(optimizer)
+                if self.request is None or self.request[0] is not opt or not cb._pending(opt):
+                    return original(optimizer, clip_val, *args, **kwargs)
+                mode = cb._mode_for(clip_val, algorithm)
+                if mode != OWN and algorithm == "norm" and cb._monitor(opt).norm_type != 2.0:
+                    cb._run(opt, None)  # Lightning clips by the 2-norm; the monitor measures another
+                    return original(optimizer, clip_val, *args, **kwargs)
+                cb._run(opt, mode)
+            return clip_by
+        return make
+
+    def _configured(self, original):
+        cb = self.callback
+
+        def configured(model, optimizer, *args, **kwargs):
+            out = original(model, optimizer, *args, **kwargs)
+            opt = _unwrap(optimizer)
+            if cb._pending(opt):  # no clip was asked for: the override (if any) decided so
+                cb._run(opt, None if getattr(model, "automatic_optimization", True) else OWN)
+            return out
+        return configured
+
+
 class GradfuseCallback(Callback):
     """Fused gradient statistics, clipping and the skip/raise policies of ``GradMonitor``
     for a Lightning ``Trainer``, logged through the trainer's loggers every
@@ -73,8 +219,13 @@ class GradfuseCallback(Callback):
         max_norm: clip by total norm: a number, a schedule (callable of the step) or a
             ``gradfuse.ZClip``. None (default): take the Trainer's ``gradient_clip_val``,
             by norm, or by value with ``gradient_clip_algorithm="value"`` (the monitor's
-            ``clip_value``). Either way Lightning's own clipping is turned off for the fit
-            (restored afterwards). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor.
+            ``clip_value``). ``per=``, ``clip_value=`` and ``agc=`` go to the monitor. This
+            mode is the clip that Lightning's ``clip_gradients`` makes when it is asked for the
+            Trainer's value, or for none (Lightning's default with no ``gradient_clip_val``);
+            a ``configure_gradient_clipping`` override that asks for another value or
+            algorithm gets that clip (by the monitor), one that makes no clip call gets none.
+            With manual optimization, a step with no ``self.clip_gradients`` call is clipped
+            by this mode.
         sinks: further sinks (a ``JsonlSink``, ...), written on global rank 0 only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,
@@ -88,6 +239,10 @@ class GradfuseCallback(Callback):
             over only after the optimizer step (``on_train_batch_end``; under gradient
             accumulation the sum of the micro-batches' normalized losses): it is written into the
             row of the step just taken, and its spike is acted on at the next step.
+
+    ``check_double_clip`` (on by default) warns once when the gradients were changed in place
+    between the backward and a clip that gradfuse makes (not on steps where the clipping path asked
+    for no clip).
 
     AMP: the scaler of a ``16-mixed`` precision plugin is handed to the monitor, so an overflow
     is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
@@ -133,10 +288,13 @@ class GradfuseCallback(Callback):
         self.monitors: dict[int, GradMonitor] = {}  # by optimizer index
         self.last_report: StepReport | None = None
         self._gates: list[StepGate] = []
-        self._skip: dict[int, bool] = {}
         self._saved: dict[int, dict] = {}
-        self._trainer_clip = None
+        self._trainer_request = None  # the Trainer's (gradient_clip_val, algorithm) for the fit
         self._took_value = False
+        self._fit = None  # (trainer, LightningModule) during the fit
+        self._path: _ClipPath | None = None
+        self._round: dict[int, StepReport] = {}  # by optimizer: the monitor's report for its coming step
+        self._double_clip: dict[int, DoubleClipCheck] = {}  # by optimizer index, as the monitors
         self._loss = None  # the losses of the micro-batches since the last step (flight recorder)
         self._stepped = False
 
@@ -146,15 +304,15 @@ class GradfuseCallback(Callback):
         return self.monitors.get(0)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Lightning hook: for the fit, takes over the Trainer's ``gradient_clip_val``.
+        """Lightning hook: for the fit, takes the Trainer's ``gradient_clip_val`` as the clip mode.
 
         Unless ``max_norm`` or another clip mode was given, the monitor clips by it (by value with
-        ``gradient_clip_algorithm="value"``); Lightning's own clipping is turned off for the fit.
+        ``gradient_clip_algorithm="value"``) where Lightning's clipping path asks for it. The
+        Trainer's settings stay as they are.
         """
         if stage != "fit" or not trainer.gradient_clip_val:
             return
-        algorithm = trainer.gradient_clip_algorithm
-        by_value = algorithm is not None and str(getattr(algorithm, "value", algorithm)) == "value"
+        by_value = _algorithm(trainer.gradient_clip_algorithm) == "value"
         clip = float(trainer.gradient_clip_val)
         own = describe_mode(self.max_norm, self.monitor_kwargs)
         if own is None and by_value:  # gradient_clip_algorithm="value": clamped by the monitor
@@ -165,17 +323,19 @@ class GradfuseCallback(Callback):
         elif own != (f"clip_value={clip:g}" if by_value else f"max_norm={clip:g}"):
             warn(f"gradfuse GradfuseCallback: {own} replaces the Trainer's gradient_clip_val={clip:g}"
                  f" (gradient_clip_algorithm={'value' if by_value else 'norm'})")
-        self._trainer_clip = trainer.gradient_clip_val
-        trainer.gradient_clip_val = None  # gradfuse clips, in the same place, once
+        self._trainer_request = (clip, "value" if by_value else "norm")
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Lightning hook: gates each optimizer's step (a step the policy skips is not taken).
+        """Lightning hook: puts the monitor into the precision plugin's clipping path and gates
+        each optimizer's step (a step the policy skips is not taken).
 
         With ``noise_scale`` under DDP, also registers the communication hook that takes the bucket
         norms.
         """
         # Before the first step: without a closure-free precision plugin the optimizer's step()
         # is entered before the backward, so the gate must be in place already.
+        self._fit = (trainer, pl_module)
+        self._path = _ClipPath(self, trainer.precision_plugin)
         self._gates = [StepGate(opt, self._take_decision) for opt in trainer.optimizers]
         self._register_noise_scale_ddp_hook(trainer, pl_module)
 
@@ -195,7 +355,76 @@ class GradfuseCallback(Callback):
                  "the noise scale then comes from gradient accumulation only")
 
     def _take_decision(self, optimizer) -> bool:
-        return self._skip.pop(id(optimizer), False)
+        report = self._round.get(id(optimizer))
+        if report is None:  # a precision plugin with no clipping path of Lightning's: the monitor runs here
+            report = self._run(optimizer, OWN)
+        return report is not None and report.skip
+
+    def _pending(self, optimizer) -> bool:
+        """Whether ``optimizer`` is one of the fit's and the monitor has not run for its coming step."""
+        return (self._fit is not None and id(optimizer) not in self._round
+                and any(optimizer is opt for opt in self._fit[0].optimizers))
+
+    def _end_round(self, optimizer) -> None:
+        self._round.pop(id(optimizer), None)
+
+    def _mode_for(self, value, algorithm: str):
+        """The clip that a ``clip_gradients(value, algorithm)`` call of Lightning's gets from gradfuse."""
+        if not value or value <= 0 or self._trainer_request == (float(value), algorithm):
+            return OWN
+        return (algorithm, float(value))
+
+    def _monitor(self, optimizer) -> GradMonitor:
+        trainer, pl_module = self._fit
+        return self._monitor_for(trainer, pl_module, optimizer)
+
+    def _run(self, optimizer, mode) -> StepReport | None:
+        """The monitor's step for ``optimizer``'s coming step (statistics, the clip ``mode`` asks
+        for, policies), numbered as Lightning numbers its logged steps and logged when Lightning logs;
+        None where Lightning takes no step (``_backward_skipped``)."""
+        trainer, _ = self._fit
+        mon = self._monitor(optimizer)
+        if self._backward_skipped(mon, optimizer):
+            return None
+        index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
+        check = self._double_clip.get(index)
+        if check is not None:
+            name = check.changed(self._unscaled_before(mon, optimizer))
+            clips = mode is not None and (mode != OWN or any(
+                m is not None for m in (mon.max_norm, mon.clip_value, mon.agc)))
+            if name is not None and clips:
+                self._double_clip.pop(index).remove()  # the warning is shown once
+                warn(double_clip_message(CALL_NAME, name))
+        mon.step_count = _log_step(trainer)
+        with _clip_mode(mon, mode):
+            report = mon.step(log=_should_log(trainer))
+        self._round[id(optimizer)] = report
+        self.last_report = report
+        self._stepped = self._stepped or mon.recorder is not None
+        return report
+
+    @staticmethod
+    def _backward_skipped(mon: GradMonitor, optimizer) -> bool:
+        """Whether this is a step that Lightning's 16-mixed plugin does not take: its
+        ``training_step`` returned None, so the backward, the unscale, ``scaler.step`` and
+        ``scaler.update`` are all skipped (the gradients are still scaled, as the scaler left them;
+        an optimizer that unscales in its own ``step`` aside). The monitor then does not run."""
+        scaler = mon.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        from torch.amp.grad_scaler import OptState
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        return state is None or state["stage"] is OptState.READY
+
+    @staticmethod
+    def _unscaled_before(mon: GradMonitor, optimizer) -> int:
+        # The in-place changes allowed since the backward: the precision plugin's scaler.unscale_.
+        scaler = mon.scaler
+        if scaler is None or not scaler.is_enabled():
+            return 0
+        from torch.amp.grad_scaler import OptState
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        return int(state is not None and state["stage"] is not OptState.READY)
 
     def _monitor_for(self, trainer, pl_module, optimizer) -> GradMonitor:
         index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
@@ -213,10 +442,13 @@ class GradfuseCallback(Callback):
                 kwargs.pop("activations", None), kwargs.pop("trace_nonfinite", None)
             if index != 0:  # the flight recorder too
                 kwargs.pop("recorder", None)
-            mon = GradMonitor(named_optimizer_params([optimizer], pl_module), max_norm=self.max_norm,
-                              every=0, scaler=scaler, optimizer=optimizer if scaler is not None else None,
-                              sinks=sinks, **({"module": pl_module} if hooks else {}), **kwargs)
-            mon._call_name = "gradfuse GradfuseCallback (Lightning, on_before_optimizer_step)"
+            named = named_optimizer_params([optimizer], pl_module)
+            if kwargs.pop("check_double_clip", True):  # checked here, on the steps gradfuse clips
+                self._double_clip[index] = DoubleClipCheck([p for _, p in named], [n for n, _ in named])
+            mon = GradMonitor(named, max_norm=self.max_norm, every=0, scaler=scaler,
+                              optimizer=optimizer if scaler is not None else None, sinks=sinks,
+                              check_double_clip=False, **({"module": pl_module} if hooks else {}), **kwargs)
+            mon._call_name = CALL_NAME
             if mon.recorder is not None and not mon.recorder.optimizers:
                 mon.recorder.optimizers = [optimizer]
             from gradfuse.dynamics.noise_scale import configure
@@ -248,16 +480,13 @@ class GradfuseCallback(Callback):
         mon.micro_step()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        """Lightning hook: the monitor's step for ``optimizer`` (statistics, clipping, policies).
+        """Lightning hook: the clipping path of ``optimizer``'s step comes next; makes its monitor.
 
-        The step is numbered as Lightning numbers its logged steps and logged when Lightning logs.
+        The monitor's step (statistics, clipping, policies) runs in that path: at the clip that
+        Lightning makes, or at its end when it makes none. It is numbered as Lightning numbers its
+        logged steps and logged when Lightning logs.
         """
-        mon = self._monitor_for(trainer, pl_module, optimizer)
-        mon.step_count = _log_step(trainer)
-        report = mon.step(log=_should_log(trainer))
-        self._skip[id(optimizer)] = report.skip
-        self.last_report = report
-        self._stepped = self._stepped or mon.recorder is not None
+        self._monitor_for(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """Lightning hook: with a flight recorder, the loss of the step just taken (its row)."""
@@ -278,18 +507,20 @@ class GradfuseCallback(Callback):
         for gate in self._gates:
             gate.remove()
         self._gates = []
-        self._skip.clear()
+        if self._path is not None:
+            self._path.remove()
+            self._path = None
+        self._round.clear()
+        self._fit = None
         for mon in self.monitors.values():
             mon.disarm_activations()  # no activation hook outlives the fit
-        if self._trainer_clip is not None:
-            trainer.gradient_clip_val = self._trainer_clip
-            self._trainer_clip = None
+        self._trainer_request = None
         if self._took_value:
             self.monitor_kwargs.pop("clip_value", None)
             self._took_value = False
 
     def on_train_end(self, trainer, pl_module) -> None:
-        """Lightning hook: removes the step gates and activation hooks; restores ``gradient_clip_val``."""
+        """Lightning hook: removes the step gates, the clipping path's wrappers and the activation hooks."""
         self._release(trainer)
 
     def on_exception(self, trainer, pl_module, exception) -> None:

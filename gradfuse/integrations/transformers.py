@@ -4,8 +4,10 @@
     gradfuse.integrations.transformers.attach(trainer, explode_threshold=1e4)
     trainer.train()
 
-gradfuse replaces the Trainer's clip: ``max_grad_norm`` becomes the monitor's ``max_norm`` and is
-set to 0 in the Trainer for the run. The Trainer's own gradient-norm call
+gradfuse replaces the Trainer's clip: ``max_grad_norm`` becomes the monitor's ``max_norm``, and
+the Trainer's own clip is off while it makes each update (its ``max_grad_norm`` is 0 from
+``on_step_begin`` to ``on_step_end`` only, so the training arguments that the Trainer logs and
+saves in its checkpoints are the ones it was given). The Trainer's own gradient-norm call
 (``accelerator.clip_grad_norm_``, which transformers >= 5 makes every step for its ``grad_norm``
 log, clipping or not) is answered by the monitor: one fused pass gives the statistics, the policy
 decision, the clip and the ``grad_norm`` the Trainer logs. (Where the Trainer makes no such call,
@@ -91,9 +93,9 @@ class GradfuseCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         """Trainer hook: makes the monitor and puts it where the Trainer clips.
 
-        Takes the Trainer's ``max_grad_norm`` (unless another clip mode was given) and turns the
-        Trainer's own clipping off, restores the monitor's state on resume, gates the optimizer's step
-        and takes over the accelerator's ``clip_grad_norm_``.
+        Takes the Trainer's ``max_grad_norm`` (unless another clip mode was given; the Trainer's
+        own clipping is then off while it makes each update), restores the monitor's state on
+        resume, gates the optimizer's step and takes over the accelerator's ``clip_grad_norm_``.
         """
         trainer = self.trainer
         if args.max_grad_norm and args.max_grad_norm > 0:
@@ -102,8 +104,7 @@ class GradfuseCallback(TrainerCallback):
                 self.max_norm = float(args.max_grad_norm)
             elif own != f"max_norm={args.max_grad_norm:g}":
                 warn(f"gradfuse: {own} replaces the Trainer's max_grad_norm={args.max_grad_norm:g}")
-            self._trainer_max_grad_norm = args.max_grad_norm
-            args.max_grad_norm = 0.0  # gradfuse clips instead, in the same place, once
+            self._trainer_max_grad_norm = args.max_grad_norm  # set to 0 during each update
         optimizer = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)
@@ -192,7 +193,10 @@ class GradfuseCallback(TrainerCallback):
             self.monitor.micro_step()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        """Trainer hook: arms the activation hooks, when asked for; full statistics on logged updates."""
+        """Trainer hook: turns the Trainer's own clip off for this update (gradfuse clips, once);
+        arms the activation hooks, when asked for (full statistics on logged updates)."""
+        if self._trainer_max_grad_norm is not None:
+            args.max_grad_norm = 0.0  # back at on_step_end, before the Trainer logs or saves
         # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
         if self.monitor is not None and self.monitor.watches_activations:
             coming = state.global_step + 1
@@ -236,7 +240,10 @@ class GradfuseCallback(TrainerCallback):
             state.stateful_callbacks[STATE_KEY] = self.monitor.state_dict()
 
     def on_step_end(self, args, state, control, **kwargs):
-        """Trainer hook: puts the monitor's state in the Trainer state when a checkpoint is saved."""
+        """Trainer hook: gives the Trainer its ``max_grad_norm`` back; puts the monitor's state in the
+        Trainer state when a checkpoint is saved."""
+        if self._trainer_max_grad_norm is not None:
+            args.max_grad_norm = self._trainer_max_grad_norm
         self._stash_state(state, control)
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -293,8 +300,10 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
         trainer: The ``transformers.Trainer``, before ``train()``.
         max_norm: clip by total norm: a number, a schedule (callable of the step) or a
             ``gradfuse.ZClip``; None (default): the Trainer's ``max_grad_norm``. The Trainer
-            itself then does not clip (its ``max_grad_norm`` is 0 during ``train()``), also when
-            ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip instead.
+            itself then does not clip (its ``max_grad_norm`` is 0 while it makes an update, from
+            ``on_step_begin`` to ``on_step_end``; what it logs and saves has the value it was
+            given), also when ``per=``, ``clip_value=`` or ``agc=`` (passed to the monitor) clip
+            instead.
         sinks: further sinks, written on the main process only.
         **monitor_kwargs: ``norm_type``, ``on_nonfinite``, ``explode_threshold``, ``on_explode``,
             ``layer_depth``, ``noise_scale``, ``update_ratios``, ``activations``,

@@ -4,6 +4,7 @@ and two processes (gloo), without and with bf16 mixed precision. An identical co
 is trained side by side with ``accelerator.clip_grad_norm_`` as the reference."""
 import json
 import math
+import os
 import socket
 
 import pytest
@@ -192,6 +193,116 @@ def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
         assert taken == [True, True, False, True] and handle.monitor.skipped_steps == 1
         assert lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
         assert not opt.step_was_skipped  # the last step was taken
+        handle.detach()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _accelerated_run(order, attached, out_dir=None, steps=4):
+    """A plain accelerate loop (a LambdaLR scheduler, SGD, one process) built in ``order``, with
+    ``gradfuse.attach`` (clipping every step) or without it; returns what it left behind."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def scheduler(o):
+            return torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s)
+
+        def attach(o):
+            return gradfuse.attach(o, model, max_norm=0.05, every=0) if attached else None
+
+        handle = None
+        if order == "scheduler_then_prepare":  # the usual order: prepare(model, optimizer, scheduler)
+            sched = scheduler(opt)
+            model, opt, sched = accelerator.prepare(model, opt, sched)
+            handle = attach(opt)
+        elif order == "scheduler_on_prepared":  # as the Trainer does: on the AcceleratedOptimizer
+            model, opt = accelerator.prepare(model, opt)
+            sched = accelerator.prepare(scheduler(opt))
+            handle = attach(opt)
+        else:  # "attach_then_scheduler"
+            model, opt = accelerator.prepare(model, opt)
+            handle = attach(opt)
+            sched = accelerator.prepare(scheduler(opt))
+        g = torch.Generator().manual_seed(1)
+        lrs, norms = [], []
+        for _ in range(steps):
+            accelerator.backward(model(torch.randn(6, 4, generator=g) * 10).square().sum())
+            norms.append(None if attached else float(accelerator.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+        if out_dir is not None:
+            accelerator.save_state(str(out_dir))
+        result = {"lrs": lrs, "norms": norms, "skipped": accelerator.optimizer_step_was_skipped,
+                  "steps": sched.scheduler._step_count,
+                  "params": [p.detach().clone() for p in model.parameters()]}
+        if handle is not None:
+            result["clipped"] = handle.monitor.clipped_steps
+            handle.detach()
+        return result
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("order", ["scheduler_then_prepare", "scheduler_on_prepared", "attach_then_scheduler"])
+def test_scheduler_state_and_results_as_without_gradfuse(tmp_path, order):
+    """In every order of building scheduler, accelerate's wrappers and attach: no warning (torch's
+    scheduler warnings included, as errors), and what accelerate saves (save_state), returns
+    (optimizer_step_was_skipped, the scheduler's learning rates and counts) and trains is what the
+    same loop clipped by accelerator.clip_grad_norm_ gives, but for the clip's rounding."""
+    ref = _accelerated_run(order, attached=False, out_dir=tmp_path / "ref")
+    ours = _accelerated_run(order, attached=True, out_dir=tmp_path / "ours")
+    assert all(n > 0.05 for n in ref["norms"]) and ours["clipped"] == 4  # clipped at every step
+    assert ours["lrs"] == ref["lrs"] and ours["steps"] == ref["steps"]
+    assert ours["skipped"] is ref["skipped"] is False
+    for p, q in zip(ours["params"], ref["params"]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "ref"))
+    for name in ("optimizer.bin", "scheduler.bin"):
+        mine, theirs = (torch.load(tmp_path / run / name, weights_only=False) for run in ("ours", "ref"))
+        if name == "scheduler.bin":
+            assert mine == theirs
+        else:
+            assert mine["param_groups"] == theirs["param_groups"]
+            for k in theirs["state"]:
+                torch.testing.assert_close(mine["state"][k], theirs["state"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_handle_is_saved_and_loaded_with_accelerates_state(tmp_path):
+    """accelerator.register_for_checkpointing(handle): save_state / load_state carry the monitor's
+    step number and counters."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = nn.Linear(4, 2)
+        model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        handle = gradfuse.attach(opt, model, max_norm=1e-3, every=0)
+        accelerator.register_for_checkpointing(handle)
+
+        def step():
+            accelerator.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            step()
+        accelerator.save_state(str(tmp_path))
+        saved = handle.state_dict()
+        step()
+        assert handle.state_dict() != saved
+        accelerator.load_state(str(tmp_path))
+        assert handle.state_dict() == saved and saved["step"] == 3 and saved["clipped_steps"] == 3
         handle.detach()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -239,3 +239,57 @@ def test_unscale_clip_names_parameters_without_names_by_param():
         scaler.scale(loss_of(model, x, y)).backward()
         s = gradfuse.unscale_clip_(opt, scaler, max_norm=1.0, **kw)
         assert s.names[0] == expected and len(s.names) == 4
+
+
+def _scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("order", ["scheduler_first", "attach_first", "both_sides"])
+def test_lr_scheduler_keeps_its_view_of_the_step_in_any_order(order):
+    """An LR scheduler built before or after attach (or both): no warning from torch, the same
+    learning rates and counts as the same loop without gradfuse, and detach leaves it working."""
+    ref, ours = make_model(), make_model()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    sched_ref = _scheduler(opt_ref)
+    scheds = [_scheduler(opt)] if order != "attach_first" else []
+    handle = gradfuse.attach(opt, ours, max_norm=1e3, every=0)
+    if order != "scheduler_first":
+        scheds.append(_scheduler(opt))
+    for x, y in batches(3):
+        for model, o, ss in ((ref, opt_ref, [sched_ref]), (ours, opt, scheds)):
+            loss_of(model, x, y).backward()
+            o.step()
+            o.zero_grad()
+            for s in ss:
+                s.step()
+    assert opt._opt_called and handle.monitor.step_count == 3
+    for s in scheds:
+        assert (s._step_count, s.last_epoch, s.get_last_lr()) == (
+            sched_ref._step_count, sched_ref.last_epoch, sched_ref.get_last_lr())
+    handle.detach()
+    loss_of(ours, *batches(1)[0]).backward()
+    opt.step()
+    for s in scheds:
+        s.step()
+    assert scheds[0].last_epoch == 4
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_skipped_first_step_counts_as_called_for_the_scheduler():
+    """The policy skips the very first step: the scheduler built before attach still sees the
+    optimizer's step called (torch warns otherwise that the scheduler stepped first)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = _scheduler(opt)
+    handle = gradfuse.attach(opt, model, every=0, on_nonfinite="skip")
+    loss_of(model, *batches(1)[0]).backward()
+    model[0].bias.grad[0] = math.nan
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        opt.step()
+    sched.step()
+    assert handle.monitor.skipped_steps == 1 and sched.last_epoch == 1
+    handle.detach()
+    assert hasattr(opt.step, "_wrapped_by_lr_sched")  # the scheduler's own wrapper is back

@@ -1,4 +1,6 @@
 """GradfuseCallback against the real Lightning Trainer (CPU, a tiny module, synthetic data)."""
+import warnings
+
 import pytest
 import torch
 
@@ -85,3 +87,215 @@ def test_checkpoint_resume_continues_steps_and_counts(tmp_path):
     assert (state["step"], state["skipped_steps"], state["nonfinite_steps"]) == (8, 1, 1)
     steps = [step for step, m in logger.rows if "grad/total_norm" in m]
     assert steps == [4, 5, 6, 7]  # numbering continues
+
+
+class Decides(lightning_harness.Tiny):
+    """A configure_gradient_clipping override that decides per step: by batch index, no clip, a
+    value and algorithm of its own, or Lightning's default (the Trainer's settings)."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan = plan
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        choice = self.plan[self.trainer.fit_loop.batch_idx % len(self.plan)]
+        if choice == "default":
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        elif choice is not None:
+            self.clip_gradients(optimizer, *choice)
+
+
+@pytest.fixture
+def torch_clips(monkeypatch):
+    """The calls of torch's clipping functions (what Lightning clips with) during the test."""
+    calls = []
+
+    def spy(name):
+        clip = getattr(torch.nn.utils, name)
+
+        def clip_and_note(*args, **kwargs):
+            calls.append(name)
+            return clip(*args, **kwargs)
+        return clip_and_note
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        monkeypatch.setattr(torch.nn.utils, name, spy(name))
+    return calls
+
+
+def _assert_same_steps(ours, ref):
+    assert len(ours) == len(ref) > 0
+    for a_step, b_step in zip(ours, ref):
+        for a, b in zip(a_step, b_step):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("trainer_clip", [None, MAX_NORM])
+def test_configure_gradient_clipping_override_decides(trainer_clip, torch_clips):
+    """The override skips the clip, asks for another value (with the Trainer's value unset, as
+    Lightning requires) or algorithm, or keeps Lightning's default: the same gradients are stepped
+    as without gradfuse, each clipped once, by gradfuse (torch's clip never runs)."""
+    plan = [None, "default"] if trainer_clip else [None, (0.01, "norm"), (1e-3, "value"), "default"]
+    kwargs = {"gradient_clip_val": trainer_clip} if trainer_clip else {}
+    ref_probe, probe = Probe(), Probe()
+    fit([ref_probe], model=Decides(plan), **kwargs)
+    assert torch_clips  # Lightning clipped with torch without gradfuse ...
+    torch_clips.clear()
+    cb = GradfuseCallback()
+    trainer, _, _ = fit([probe, cb], model=Decides(plan), **kwargs)
+    assert torch_clips == [] and trainer.gradient_clip_val == trainer_clip  # ... and not with it
+    _assert_same_steps(probe.stepped_grads, ref_probe.stepped_grads)
+    choices = [plan[step % len(plan)] for step in range(8)]
+    clipped = [c for c in choices if c not in (None, "default") or (c == "default" and trainer_clip)]
+    assert cb.monitor.step_count == 8 and cb.monitor.clipped_steps == len(clipped)
+    for grads, choice in zip(probe.stepped_grads, choices):  # clipped as asked, or not at all
+        norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        if choice == (0.01, "norm"):
+            assert norm == pytest.approx(0.01, rel=1e-4)
+        elif choice == (1e-3, "value"):
+            assert max(g.abs().max() for g in grads) <= 1e-3
+        elif choice == "default" and trainer_clip:
+            assert norm == pytest.approx(trainer_clip, rel=1e-4)
+        else:
+            assert norm > 0.05
+
+
+def test_conflicting_clip_values_keep_lightnings_error():
+    """Trainer(gradient_clip_val=1e-4) and the module asking clip_gradients for 0.01: Lightning's
+    MisconfigurationException, as without gradfuse."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    cb = GradfuseCallback()
+    with pytest.raises(MisconfigurationException, match=r"gradient_clip_val=0.0001\)` and have passed"):
+        fit([cb], model=Decides([(0.01,)]), gradient_clip_val=1e-4)
+    assert cb.monitor.step_count == 0  # the error came first: no step, no clip
+
+
+class ManualClip(lightning_harness.Tiny):
+    """Manual optimization that clips (by norm) before it steps, on even batches only."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if batch_idx % 2 == 0:
+            self.clip_gradients(opt, MAX_NORM, "norm")
+        opt.step()
+
+
+def test_manual_optimization_clip_gradients_made_once_by_gradfuse():
+    ref_probe, probe = Probe(), Probe()
+    fit([ref_probe], model=ManualClip())
+    cb = GradfuseCallback()
+    fit([probe, cb], model=ManualClip())
+    _assert_same_steps(probe.stepped_grads, ref_probe.stepped_grads)
+    assert cb.monitor.step_count == 8 and cb.monitor.clipped_steps == 4
+
+
+class Scheduled(lightning_harness.Tiny):
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit_recording_warnings(callbacks, **kwargs):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, model, logger = fit(callbacks, model=Scheduled(), **kwargs)
+    return trainer, sorted({(w.category.__name__, str(w.message)) for w in seen})
+
+
+@pytest.mark.parametrize("nan_batch", [None, 0])
+def test_lr_scheduler_sees_the_step_it_wrapped(nan_batch):
+    """configure_optimizers builds the scheduler before the callback gates the step: no warning
+    that a fit without gradfuse does not raise (torch's "optimizer.step() has been overridden"
+    among them), and the scheduler counts as it does without gradfuse, a first step that the
+    policy skips included."""
+    ref_trainer, ref_warnings = _fit_recording_warnings([Probe()], gradient_clip_val=MAX_NORM)
+    trainer, ours = _fit_recording_warnings([Probe(nan_batch=nan_batch), GradfuseCallback()],
+                                            gradient_clip_val=MAX_NORM)
+    skipped = [w for w in ours if "optimizer step skipped" in w[1]]
+    assert [w for w in ours if w not in skipped] == ref_warnings
+    assert len(skipped) == (nan_batch is not None)
+    sched, ref_sched = trainer.lr_scheduler_configs[0].scheduler, ref_trainer.lr_scheduler_configs[0].scheduler
+    assert (sched._step_count, sched.last_epoch, sched.get_last_lr()) == (
+        ref_sched._step_count, ref_sched.last_epoch, ref_sched.get_last_lr())
+    assert hasattr(trainer.optimizers[0].step, "_wrapped_by_lr_sched")  # the scheduler's wrapper, back
+
+
+class ClipsInItsHook(lightning_harness.Tiny):
+    """Clips the gradients itself in on_before_optimizer_step (before Lightning's clipping path)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+
+def _double_clip_warnings(seen):
+    return [w for w in seen if "already changed in place" in str(w.message)]
+
+
+def test_double_clip_warned_on_steps_gradfuse_clips_only():
+    """A module that clips in its own hook before gradfuse clips: warned once. An override of
+    configure_gradient_clipping that changes the gradients itself and asks for no clip (as one of
+    Lightning's own tests does): gradfuse clips nothing and does not warn. 16-mixed: the scaler's
+    unscale is no double clip."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class ClampsItself(lightning_harness.Tiny):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            for p in self.parameters():
+                p.grad.clamp_(min=0, max=1e-2)
+
+    cases = [(ClipsInItsHook(), {}, 1), (ClampsItself(), {}, 0),
+             (lightning_harness.Tiny(), {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
+                 "cpu", init_scale=2.0**8))]}, 0)]
+    for model, kwargs, expected in cases:
+        cb = GradfuseCallback()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fit([cb], model=model, gradient_clip_val=MAX_NORM, **kwargs)
+        assert len(_double_clip_warnings(seen)) == expected, type(model).__name__
+        assert cb.monitor.clipped_steps == (0 if isinstance(model, ClampsItself) else 8)
+
+
+class SkipsOddBatches(lightning_harness.Tiny):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+class CountingScaler(torch.amp.GradScaler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"unscale_": 0, "step": 0, "update": 0}
+
+    def unscale_(self, optimizer):
+        self.calls["unscale_"] += 1
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        self.calls["step"] += 1
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, *args, **kwargs):
+        self.calls["update"] += 1
+        return super().update(*args, **kwargs)
+
+
+def test_amp_training_step_returning_none_leaves_the_scaler_to_lightning():
+    """16-mixed with a training_step that returns None on some batches: Lightning skips their
+    backward, unscale and scaler step; gradfuse runs on the other steps only, and the scaler is
+    called as without gradfuse (an unscale of its own would make Lightning's next one raise)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    counts, records = [], []
+    sink = type("Rows", (), {"write": lambda self, record: records.append(record["step"])})()
+    for callbacks in ([], [GradfuseCallback(sinks=[sink])]):
+        scaler = CountingScaler("cpu", init_scale=2.0**8)
+        fit(callbacks, model=SkipsOddBatches(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            gradient_clip_val=MAX_NORM, log_every_n_steps=1)
+        counts.append(scaler.calls)
+    assert counts[0] == counts[1] == {"unscale_": 4, "step": 4, "update": 4}
+    assert len(records) == 4 and callbacks[0].monitor.clipped_steps == 4

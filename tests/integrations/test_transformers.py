@@ -1,6 +1,8 @@
 """gradfuse.integrations.transformers.attach against the real transformers.Trainer (CPU, a
 2-layer GPT-2 built from a config, synthetic tokens, no downloads)."""
+import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -158,3 +160,112 @@ def test_layers_of_gpt2_bert_t5_are_their_blocks():
 def test_callbacks_list_needs_attach():
     with pytest.raises(TypeError):
         GradfuseCallback()  # it needs the Trainer: use attach(trainer)
+
+
+def _run_recording_warnings(trainer):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = trainer.train()
+    return out, sorted({(w.category.__name__, str(w.message)) for w in seen})
+
+
+def _args_dict(args, root):
+    # The training arguments as plain values, without the paths of the run's own folder.
+    return {k: v for k, v in args.to_dict().items() if str(root) not in str(v)}
+
+
+def _tensorboard_args(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = acc.Tensors("args/text_summary")[0].tensor_proto.string_val[0].decode()
+    return json.loads(text)
+
+
+GRADFUSE_KEYS = ("grad/", "grad_l2/", "grad_zero_fraction/", "grad_nonfinite/", "grad_max_abs/")
+
+
+@pytest.mark.parametrize("own_optimizer", [True, False], ids=["given_optimizer", "trainers_optimizer"])
+def test_what_the_trainer_saves_logs_and_returns_is_its_own(tmp_path, monkeypatch, own_optimizer):
+    """Against the same run without gradfuse: the checkpoints hold the same training arguments
+    (max_grad_norm as given), scheduler state, Trainer state and log history (grad_norm
+    included) but for gradfuse's added statistics and state, the same optimizer state and weights
+    up to the clip's rounding; TensorBoard gets the same arguments; train() returns the same; no
+    warning is raised that the run without gradfuse does not raise (an LR scheduler that the
+    Trainer builds on its AcceleratedOptimizer before the callback gates it included)."""
+    runs = {}
+    for name in ("ref", "ours"):
+        monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / name / "tb"))
+        trainer, _ = make_trainer(tmp_path / name, MAX_NORM, accumulate=2, max_steps=4, save_strategy="steps",
+                                  save_steps=2, report_to=["tensorboard"], own_optimizer=own_optimizer,
+                                  lr_scheduler_type="linear", warmup_steps=1)
+        cb = attach(trainer) if name == "ours" else None
+        out, seen = _run_recording_warnings(trainer)
+        runs[name] = trainer, out, seen, cb
+    (ref, ref_out, ref_warnings, _), (ours, out, our_warnings, cb) = runs["ref"], runs["ours"]
+    assert our_warnings == ref_warnings
+    assert cb.monitor.clipped_steps == 4  # the clip was gradfuse's, at every update
+    # What train() returns, and the arguments the Trainer keeps
+    assert out.global_step == ref_out.global_step == 4
+    assert out.training_loss == pytest.approx(ref_out.training_loss, rel=1e-5)
+    assert out.metrics.keys() == ref_out.metrics.keys()
+    assert _args_dict(ours.args, tmp_path / "ours") == _args_dict(ref.args, tmp_path / "ref")
+    assert ours.args.max_grad_norm == MAX_NORM
+    # What TensorBoard was told (the arguments are logged at the start of train())
+    assert (_args_dict_of(_tensorboard_args(tmp_path / "ours" / "tb"), tmp_path / "ours")
+            == _args_dict_of(_tensorboard_args(tmp_path / "ref" / "tb"), tmp_path / "ref"))
+    # What the checkpoints hold
+    for step in (2, 4):
+        mine, theirs = tmp_path / "ours" / f"checkpoint-{step}", tmp_path / "ref" / f"checkpoint-{step}"
+        assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        saved = [torch.load(d / "training_args.bin", weights_only=False) for d in (mine, theirs)]
+        assert saved[0].max_grad_norm == MAX_NORM
+        assert _args_dict(saved[0], tmp_path / "ours") == _args_dict(saved[1], tmp_path / "ref")
+        assert torch.load(mine / "scheduler.pt") == torch.load(theirs / "scheduler.pt")
+        _assert_close_nested(torch.load(mine / "optimizer.pt"), torch.load(theirs / "optimizer.pt"))
+        from safetensors.torch import load_file
+        _assert_close_nested(load_file(mine / "model.safetensors"), load_file(theirs / "model.safetensors"))
+        state, ref_state = (json.loads((d / "trainer_state.json").read_text()) for d in (mine, theirs))
+        assert state.pop("stateful_callbacks").pop("gradfuse")["step"] == step + 1
+        ref_state.pop("stateful_callbacks")
+        history, ref_history = state.pop("log_history"), ref_state.pop("log_history")
+        assert state == ref_state and len(history) == len(ref_history) == step
+        for h, r in zip(history, ref_history):
+            added = {k for k in h if k.startswith(GRADFUSE_KEYS)}
+            assert added and h.keys() - added == r.keys()
+            for key in r:
+                assert h[key] == pytest.approx(r[key], rel=1e-5), key
+    assert [h["learning_rate"] for h in ours.state.log_history if "loss" in h] == [
+        h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+
+
+def _args_dict_of(values: dict, root):
+    return {k: v for k, v in values.items() if str(root) not in str(v)}
+
+
+def _assert_close_nested(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_close_nested(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_close_nested(x, y)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("own_optimizer", [True, False], ids=["given_optimizer", "trainers_optimizer"])
+def test_a_skipped_first_update_raises_no_scheduler_warning(tmp_path, own_optimizer):
+    """A first update that gradfuse skips (non-finite gradients): the Trainer's LR scheduler, built
+    before the step gate, warns neither that the step was overridden nor that it stepped before
+    the optimizer; gradfuse's own warning about the skip is the only one."""
+    trainer, _ = make_trainer(tmp_path, MAX_NORM, accumulate=1, max_steps=3, own_optimizer=own_optimizer)
+    trainer.add_callback(PlantAt({0: math.nan}))
+    cb = attach(trainer)
+    _, seen = _run_recording_warnings(trainer)
+    assert cb.monitor.skipped_steps == 1
+    assert [m for _, m in seen] == [m for _, m in seen if "optimizer step skipped" in m] and len(seen) == 1
