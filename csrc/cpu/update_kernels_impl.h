@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -156,20 +157,20 @@ inline int64_t lane_count(const Vectorized<acc_t>& v) {
   return t;
 }
 
-// The partial row of one chunk of the stats op. m, v, v_max: null where absent.
-template <typename scalar_t, UpdateRule rule>
-UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_acc_of<scalar_t>>& h,
-                                                      const scalar_t* w, const scalar_t* g, const scalar_t* m,
-                                                      const scalar_t* v, const scalar_t* v_max, int64_t n) {
+// The vector part of one chunk of the stats op: its first elements, a multiple of kUpdateStep,
+// into s; returns how many. kCounts: also the non-finite counts. Without them (the first pass)
+// those counts are 0, which holds where the sums of squares come out finite: a NaN or Inf update,
+// weight or moment (root: sqrt(v') / sqrt(1 - beta2^t) >= sqrt(v')) makes its sum of squares NaN
+// or Inf (every square is >= 0), as in the stats op's two passes (stats_math.h).
+template <typename scalar_t, UpdateRule rule, bool kCounts>
+int64_t update_stats_vectors(const UpdateParams<update_acc_of<scalar_t>>& h, const scalar_t* w, const scalar_t* g,
+                             const scalar_t* m, const scalar_t* v, const scalar_t* v_max, int64_t n,
+                             bool has_buffer, UpdateAcc<update_acc_of<scalar_t>>& s) {
   using acc_t = update_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kUpdateStep<scalar_t>;
   constexpr int kRun = 32;
   static_assert(kChunkElems / Vectorized<acc_t>::size() < (1 << 24), "lane counts must stay exact");
-  const bool has_buffer = m != nullptr;
-  if (rule == UpdateRule::kSGD && h.beta1 == acc_t(0)) m = nullptr;  // not read
-  if (!h.amsgrad) v_max = nullptr;  // not read
-  if (rule == UpdateRule::kSGD) v = v_max = nullptr;
   const VecParams<acc_t> p(h);
   const VA zeros(acc_t(0)), inf(std::numeric_limits<acc_t>::infinity()), eps(h.eps);
   const VecSumSq<acc_t> no_sums{zeros, zeros, zeros, zeros};
@@ -181,9 +182,11 @@ UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_
     run.weight = run.weight + wv * wv;
     run.moment1 = run.moment1 + e.moment1 * e.moment1;
     run.moment2 = run.moment2 + e.root * e.root;
-    update_finite = update_finite + e.update.abs().lt(inf);
-    weight_finite = weight_finite + wv.abs().lt(inf);
-    moment_finite = moment_finite + (e.moment1 + e.moment2).abs().lt(inf);
+    if constexpr (kCounts) {
+      update_finite = update_finite + e.update.abs().lt(inf);
+      weight_finite = weight_finite + wv.abs().lt(inf);
+      moment_finite = moment_finite + (e.moment1 + e.moment2).abs().lt(inf);
+    }
     if constexpr (rule == UpdateRule::kAdam) eps_dominated = eps_dominated + e.root.lt(eps);
   };
   int64_t i = 0;
@@ -201,15 +204,36 @@ UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_
     top.add(run);
     run = no_sums;
   }
-  UpdateAcc<acc_t> s;
+  s = UpdateAcc<acc_t>{};
   s.update_sumsq = lane_sum(top.update);
   s.weight_sumsq = lane_sum(top.weight);
   s.moment1_sumsq = lane_sum(top.moment1);
   s.moment2_sumsq = lane_sum(top.moment2);
-  s.update_nonfinite = i - lane_count(update_finite);
-  s.weight_nonfinite = i - lane_count(weight_finite);
-  s.moment_nonfinite = i - lane_count(moment_finite);
+  if constexpr (kCounts) {
+    s.update_nonfinite = i - lane_count(update_finite);
+    s.weight_nonfinite = i - lane_count(weight_finite);
+    s.moment_nonfinite = i - lane_count(moment_finite);
+  }
   s.eps_dominated = lane_count(eps_dominated);
+  return i;
+}
+
+// The partial row of one chunk of the stats op. m, v, v_max: null where absent.
+template <typename scalar_t, UpdateRule rule>
+UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_acc_of<scalar_t>>& h,
+                                                      const scalar_t* w, const scalar_t* g, const scalar_t* m,
+                                                      const scalar_t* v, const scalar_t* v_max, int64_t n) {
+  using acc_t = update_acc_of<scalar_t>;
+  const bool has_buffer = m != nullptr;
+  if (rule == UpdateRule::kSGD && h.beta1 == acc_t(0)) m = nullptr;  // not read
+  if (!h.amsgrad) v_max = nullptr;  // not read
+  if (rule == UpdateRule::kSGD) v = v_max = nullptr;
+  UpdateAcc<acc_t> s;
+  int64_t i = update_stats_vectors<scalar_t, rule, false>(h, w, g, m, v, v_max, n, has_buffer, s);
+  if (!(std::isfinite(s.update_sumsq) && std::isfinite(s.weight_sumsq) && std::isfinite(s.moment1_sumsq) &&
+        std::isfinite(s.moment2_sumsq))) {
+    i = update_stats_vectors<scalar_t, rule, true>(h, w, g, m, v, v_max, n, has_buffer, s);  // pass 2
+  }
   UpdateElementAcc<acc_t> tail;
   for (; i < n; ++i) {
     const acc_t wi = static_cast<acc_t>(w[i]);
