@@ -19,6 +19,10 @@
 #include <limits>
 #include <type_traits>
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include "../common/chunk_plan.h"
 #include "../common/update_math.h"
 #include "update_kernels.h"
@@ -50,6 +54,27 @@ inline void load_step(const scalar_t* x, Vectorized<update_acc_of<scalar_t>>& lo
     static_assert(kUpdateStep<scalar_t> == Vectorized<scalar_t>::size());
     at::vec::load_to_float<scalar_t>(x, lo, hi);
   }
+}
+
+// load_step for the stats kernel, which pairs the elements of its arrays lane by lane but does
+// not depend on their order: on AVX2 a bfloat16 vector widens by interleaving with zeros (2
+// operations where load_to_float takes 5; the lanes then hold the elements in another order, the
+// same for every array, as in the stats kernels' widen16).
+template <typename scalar_t>
+inline void load_step_any_order(const scalar_t* x, Vectorized<update_acc_of<scalar_t>>& lo,
+                                Vectorized<update_acc_of<scalar_t>>& hi) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (x != nullptr) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i z = _mm256_setzero_si256();
+      lo = Vectorized<float>(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)));
+      hi = Vectorized<float>(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v)));
+      return;
+    }
+  }
+#endif
+  load_step(x, lo, hi);
 }
 
 // Rounds two acc_t vectors to scalar_t into x[0, kUpdateStep).
@@ -193,11 +218,11 @@ int64_t update_stats_vectors(const UpdateParams<update_acc_of<scalar_t>>& h, con
   while (n - i >= kStep) {
     for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
       VA w_lo, w_hi, g_lo, g_hi, m_lo, m_hi, v_lo, v_hi, x_lo, x_hi;
-      load_step(w + i, w_lo, w_hi);
-      load_step(g + i, g_lo, g_hi);
-      load_step(m ? m + i : nullptr, m_lo, m_hi);
-      load_step(v ? v + i : nullptr, v_lo, v_hi);
-      load_step(v_max ? v_max + i : nullptr, x_lo, x_hi);
+      load_step_any_order(w + i, w_lo, w_hi);
+      load_step_any_order(g + i, g_lo, g_hi);
+      load_step_any_order(m ? m + i : nullptr, m_lo, m_hi);
+      load_step_any_order(v ? v + i : nullptr, v_lo, v_hi);
+      load_step_any_order(v_max ? v_max + i : nullptr, x_lo, x_hi);
       add(w_lo, vec_update_element<rule>(h, p, w_lo, g_lo, m_lo, v_lo, x_lo, has_buffer));
       add(w_hi, vec_update_element<rule>(h, p, w_hi, g_hi, m_hi, v_hi, x_hi, has_buffer));
     }
