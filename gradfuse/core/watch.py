@@ -2,12 +2,12 @@
 statistics and clips at a host cost that does not grow with Python work per parameter.
 
 The functional calls (``gradfuse.stats(model)``, ``gradfuse.clip_(model)``) walk the module
-tree, read every ``.grad`` in Python and hand a list of 10 000 tensors to the dispatcher, every
-step. A ``GradWatch`` does the walk once; each step, C++ (``csrc/watch.cpp``) reads the
-gradients from the cached parameters, checks them against a plan made on an earlier step (which
-parameters have a gradient, each group's device and dtype, the order of the result's rows), and
-runs the fused ops, the total norm and the clip coefficient without Python. Results are bitwise
-those of the functional calls.
+tree in Python every step (the gradients are then read in C++ once the walk gives the names of
+an earlier call: gradfuse.core.walk_cache). A ``GradWatch`` does the walk once; each step, C++
+(``csrc/watch.cpp``) reads the gradients from the cached parameters, checks them against a plan
+made on an earlier step (which parameters have a gradient, each group's device and dtype, the
+order of the result's rows), and runs the fused ops, the total norm and the clip coefficient
+without Python. Results are bitwise those of the functional calls.
 
 Whatever the fast path does not serve takes the functional path (gradfuse.core.engine) for that step,
 with its errors naming the parameters: a step whose gradients differ from the plan (a gradient
