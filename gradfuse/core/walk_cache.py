@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from gradfuse.core import distributed
-from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.grad_stats import GradStats, with_shared_names
 from gradfuse.core.norms import kernel_takes_order
 from gradfuse.ops import library
 
@@ -95,7 +95,7 @@ def stats(source, p: float, names: list | None = None) -> GradStats | None:
     if out is None:
         return None
     _hit()
-    return GradStats(list(plan.row_names), out[0], out[1], p, out[2])
+    return with_shared_names(plan.row_names, out[0], out[1], p, out[2])
 
 
 def clip(source, p: float, max_norm: float, names: list | None = None) -> GradStats | None:
@@ -106,8 +106,8 @@ def clip(source, p: float, max_norm: float, names: list | None = None) -> GradSt
     if out is None:
         return None
     _hit()
-    return GradStats(list(plan.row_names), out[0], out[1], p, out[2], clip_coef=out[3],
-                     max_norm=max_norm)
+    return with_shared_names(plan.row_names, out[0], out[1], p, out[2], clip_coef=out[3],
+                             max_norm=max_norm)
 
 
 def clip_to(source, s: GradStats, max_norm: float, names: list | None = None) -> GradStats | None:

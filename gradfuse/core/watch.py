@@ -24,7 +24,7 @@ from torch import nn
 
 from gradfuse.core import distributed
 from gradfuse.core.engine import fused_stats, raise_if_nonfinite, scale_to_max_norm
-from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.grad_stats import GradStats, with_shared_names
 from gradfuse.core.norms import kernel_takes_order
 from gradfuse.core.params import check_max_norm, check_norm_type, named_params, with_grads
 from gradfuse.ops import library
@@ -149,7 +149,7 @@ class GradWatch:
             out = self._fast.stats(self.norm_type)
             if out:
                 self.last_path = "fast"
-                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2])
+                return with_shared_names(self._row_names, out[0], out[1], self.norm_type, out[2])
         return self._python_stats(rows)
 
     @torch.no_grad()
@@ -175,8 +175,8 @@ class GradWatch:
             out = self._fast.clip(self.norm_type, max_norm)
             if out:
                 self.last_path = "fast"
-                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2],
-                                 clip_coef=out[3], max_norm=max_norm)
+                return with_shared_names(self._row_names, out[0], out[1], self.norm_type, out[2],
+                                         clip_coef=out[3], max_norm=max_norm)
         s = self.stats(rows=rows)
         if len(s) and error_if_nonfinite:
             raise_if_nonfinite(s)
@@ -218,7 +218,7 @@ class GradWatch:
             rows = [self._index[name] for name in s.names]
             compiled = [t for t in ("cpu", "cuda") if library.has_kernel(t)]
             if self._fast.plan(rows, s.plain_total_norm, compiled):
-                self._row_names = list(s.names)  # s.names is the caller's to change
+                self._row_names = list(s.names)  # s.names is the caller's to change; this one is never changed
         return s
 
     @torch.no_grad()
