@@ -1,6 +1,6 @@
 """The calls behind the public entry points: statistics, and clipping by total norm, of a source
-of parameters. A list seen before, and the parameters of a module walked to the same names as
-before, are served in C++ by ``gradfuse.core.walk_cache``; anything else, and any list the walk
+of parameters. A list seen before, and the parameters of a module whose walk gives the names of
+the planned call, are served in C++ by ``gradfuse.core.walk_cache``; anything else, and any list the walk
 refuses, takes the functional path of ``gradfuse.core.engine``, which then plans the list for
 the walk.
 

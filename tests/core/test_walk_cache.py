@@ -364,7 +364,7 @@ def test_module_parameters_served_bitwise_and_walked_every_call(error_if_nonfini
     s, hit = served(gradfuse.stats, m1)
     assert not hit and "a.weight" not in s.names
     assert_same_stats(s, uncached(gradfuse.stats, m2))
-    # A parameter replaced under the same name: read as it is now.
+    # A parameter replaced under the same name: the one registered at the call is read.
     for m in (m1, m2):
         m.tied.bias = nn.Parameter(torch.full((2,), 3.0))
         m.tied.bias.grad = torch.full((2,), 2.0)
