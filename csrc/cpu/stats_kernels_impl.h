@@ -612,19 +612,19 @@ void stats_chunks_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, i
 // ones by clearing the low half, so the products stay in the lanes they came from and no
 // permutation is needed on the way back. The rounding runs on 16-bit lanes: with H and L the high
 // and low halves of a product, the result is H + 1 where L + (H & 1) > 0x8000 (the carry of
-// at::vec's bits + 0x7fff + lsb; a carry into the exponent gives Inf as there). A NaN product
-// has H & 0x7fff > 0x7f80 (quiet, so bit 6 of H is set) and stores 0xffff, as at::vec does.
+// at::vec's bits + 0x7fff + lsb; a carry into the exponent gives Inf as there), that is where
+// L - (~H & 1), saturated at 0, has its top bit set. A NaN product has H & 0x7fff > 0x7f80
+// (quiet, so bit 6 of H is set) and stores 0xffff, as at::vec does.
 inline __m256i scale_bf16x16(__m256i v, __m256 cv) {
   const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  const __m256i one = _mm256_set1_epi16(1), top = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m256i one = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
   const __m256i abs_mask = _mm256_set1_epi16(0x7fff), inf_bits = _mm256_set1_epi16(0x7f80);
   const __m256i even = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), cv));
   const __m256i odd = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high_half)), cv));
   const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA);
   const __m256i lo = _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA);
-  const __m256i low_plus_lsb = _mm256_adds_epu16(lo, _mm256_and_si256(hi, one));  // saturates at 0xffff
-  // low_plus_lsb > 0x8000 unsigned, as a signed compare of its bits with the top bit flipped
-  const __m256i round_up = _mm256_cmpgt_epi16(_mm256_xor_si256(low_plus_lsb, top), _mm256_setzero_si256());
+  // -1 (round up) where L - (~H & 1) >= 0x8000: its top bit, as a signed compare with 0
+  const __m256i round_up = _mm256_cmpgt_epi16(zero, _mm256_subs_epu16(lo, _mm256_andnot_si256(hi, one)));
   const __m256i nan = _mm256_cmpgt_epi16(_mm256_and_si256(hi, abs_mask), inf_bits);
   return _mm256_or_si256(_mm256_sub_epi16(hi, round_up), nan);
 }
