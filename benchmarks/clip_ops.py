@@ -9,7 +9,9 @@ The pairs:
                     vs torch.nn.utils.clip_grad_value_(foreach=True) (clamp only);
   unit statistics   ops.multi_tensor_unit_stats with units = size(0) (AGC's row norms)
                     vs torch.linalg.vector_norm(dim=1..) per parameter;
-  memory            a copy of the same tensors (reads and writes every byte once) and a read.
+  memory            a copy of the same tensors (reads and writes every byte once) and a read;
+                    float32_mul_same_bytes: torch scaling one float32 tensor of the same bytes in
+                    place (x.mul_(c)), the floor of an in-place scale of float16 / bfloat16.
 
 GB/s counts the bytes each method must move: read + write for the scales, the clamp and the copy;
 read for the statistics. Run on GPT-2-small-shaped gradients (gradfuse/workloads.py), fp32 and bf16:
@@ -56,6 +58,7 @@ def methods(grads, params, device):
 
     units = [g.shape[0] if g.dim() > 1 else 1 for g in grads]
     copies = [torch.empty_like(g) for g in grads]
+    same_bytes = torch.randn(sum(g.numel() * g.element_size() for g in grads) // 4, device=device)
     return {
         "per_tensor_scale": (lambda: ops.multi_tensor_scale_per_tensor_(grads, (halves, doubles)[flip()], False), 2),
         "scalar_scale": (lambda: torch.ops.gradfuse.multi_tensor_scale_(grads, scalar[flip()], False), 2),
@@ -67,6 +70,7 @@ def methods(grads, params, device):
                                     for g in grads], 1),
         "copy": (lambda: torch._foreach_copy_(copies, grads), 2),
         "read_sum": (lambda: [g.sum() for g in grads], 1),
+        "float32_mul_same_bytes": (lambda: same_bytes.mul_((0.5, 2.0)[flip()]), 2),
     }
 
 

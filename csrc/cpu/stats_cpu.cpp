@@ -31,11 +31,6 @@ Kernels kernels_for(const std::string& isa) {
   return {DEFAULT::stats_chunks, DEFAULT::scale_chunks, DEFAULT::stats_tensors};
 }
 
-ChunkArgs chunk_args(const DenseGroup& group, at::ScalarType dtype) {
-  return {group.spans.data(), static_cast<int64_t>(group.spans.size()),
-          group.plan.first_chunk.data(), dtype};
-}
-
 // read_stats_inputs reads one call's inputs in one pass over the tensor list (the checks of
 // check_group, the spans and the chunk plan of DenseGroup): on 10 000 tiny tensors each
 // TensorImpl and StorageImpl is a cache miss, so the pass prefetches them a few tensors ahead, and
@@ -189,19 +184,71 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_moments_cpu(at::TensorList tenso
   return stats_rows_cpu(tensors, 2.0, true, "gradfuse.multi_tensor_moments");
 }
 
+// check_group's checks in one pass that prefetches each TensorImpl a few tensors ahead (as
+// read_stats_inputs does): on 10 000 tiny tensors each is a cache miss, and a conditional scale
+// that touches nothing is this pass and a read of the coefficient. On a failure, check_group
+// raises its error naming the tensor (its checks and these fail on the same tensors).
+void check_scale_group(at::TensorList tensors, const char* op) {
+  const auto n = static_cast<int64_t>(tensors.size());
+  if (n == 0) return;
+  const at::Tensor& first = tensors[0];
+  const bool first_ok = first.defined() && is_supported_float(first.scalar_type()) &&
+                        first.device().type() == c10::DeviceType::CPU;
+  const auto dtype = first_ok ? first.scalar_type() : at::kFloat;
+  const auto device = first_ok ? first.device() : c10::Device(c10::DeviceType::CPU);
+  constexpr int64_t kAhead = 8;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const auto* impl = reinterpret_cast<const char*>(tensors[i + kAhead].unsafeGetTensorImpl());
+      for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) {
+        __builtin_prefetch(impl + offset);
+      }
+    }
+    const at::Tensor& t = tensors[i];
+    if (!first_ok || !t.defined() || t.layout() != at::kStrided || t.scalar_type() != dtype ||
+        t.device() != device) {
+      check_group(tensors, op, c10::DeviceType::CPU);
+      TORCH_CHECK(false, op, ": tensors[", i, "] is not a dense ", dtype, " tensor on ", device);
+    }
+  }
+}
+
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& coef, bool conditional) {
   constexpr const char* kOp = "gradfuse.multi_tensor_scale_";
-  check_group(tensors, kOp, c10::DeviceType::CPU);
+  check_scale_group(tensors, kOp);
   check_scale_coef(tensors, coef, kOp);
   const double c = coef.item<double>();
   if (tensors.empty() || (conditional && !needs_scaling(c))) return;  // no traffic when nothing to do
 
-  const auto dense = scale_non_dense_(tensors, coef);
-  if (dense.empty()) return;
-  const DenseGroup group(dense);
-  const auto args = chunk_args(group, dense[0].scalar_type());
+  // As scale_non_dense_ and DenseGroup, without a reference to each tensor: views that are not
+  // one dense block are multiplied by ATen where they live, the others become the kernels' spans.
+  std::vector<Span> spans;
+  spans.reserve(tensors.size());
+  int64_t elems = 0;
+  for (const auto& t : tensors) {
+    if (t.is_non_overlapping_and_dense()) {
+      spans.push_back({t.data_ptr(), t.numel()});
+      elems += t.numel();
+    } else {
+      t.mul_(coef.to(t.scalar_type()));
+    }
+  }
+  if (spans.empty()) return;
+  const ChunkPlan plan = make_chunk_plan(spans);
+  const auto dtype = tensors[0].scalar_type();
+  const ChunkArgs args{spans.data(), static_cast<int64_t>(spans.size()), plan.first_chunk.data(), dtype};
   const auto kern = kernels_for(active_cpu_capability());
-  at::parallel_for(0, group.plan.num_chunks(), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_chunks = plan.num_chunks();
+  // Chunks per thread such that each reads and writes at least kMinBytesPerThread: a small set is
+  // scaled on the calling thread. Each element's result does not depend on the split.
+  const int64_t bytes = 2 * elems * static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t grain = std::max<int64_t>(
+      1, (num_chunks * kMinBytesPerThread + bytes - 1) / std::max<int64_t>(bytes, 1));
+  if (num_chunks <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    kern.scale(args, c, 0, num_chunks);
+    return;
+  }
+  at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
     kern.scale(args, c, begin, end);
   });
 }

@@ -602,14 +602,88 @@ void stats_chunks_dispatch_mode(const ChunkArgs& args, PowMode mode, double p, i
   }
 }
 
-// x[0, n) *= c in place, vectorised; the tail with scale_element. The one scale loop of the CPU
-// backend: multi_tensor_scale_ (scale_chunks) and the per-unit scale (clip_kernels_impl.h).
+#if defined(CPU_CAPABILITY_AVX2)
+// In-place scale of float16 / bfloat16 on AVX2, 16 elements per 256-bit step, with the bits of
+// at::vec's load_to_float / convert_from_float, which torch's x.mul_(c) stores too: the product
+// in float, rounded to nearest even. Fewer operations per element than those conversions (no
+// lane extraction or permutation), so that the loop keeps up with memory.
+//
+// bfloat16: the even elements of a step widen with a 16-bit shift of each 32-bit lane, the odd
+// ones by clearing the low half, so the products stay in the lanes they came from and no
+// permutation is needed on the way back. The rounding runs on 16-bit lanes: with H and L the high
+// and low halves of a product, the result is H + 1 where L + (H & 1) > 0x8000 (the carry of
+// at::vec's bits + 0x7fff + lsb; a carry into the exponent gives Inf as there), that is where
+// L - (~H & 1), saturated at 0, has its top bit set. A NaN product has H & 0x7fff > 0x7f80
+// (quiet, so bit 6 of H is set) and stores 0xffff, as at::vec does.
+inline __m256i scale_bf16x16(__m256i v, __m256 cv) {
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m256i one = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff), inf_bits = _mm256_set1_epi16(0x7f80);
+  const __m256i even = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), cv));
+  const __m256i odd = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high_half)), cv));
+  const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA);
+  const __m256i lo = _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA);
+  // -1 (round up) where L - (~H & 1) >= 0x8000: its top bit, as a signed compare with 0
+  const __m256i round_up = _mm256_cmpgt_epi16(zero, _mm256_subs_epu16(lo, _mm256_andnot_si256(hi, one)));
+  const __m256i nan = _mm256_cmpgt_epi16(_mm256_and_si256(hi, abs_mask), inf_bits);
+  return _mm256_or_si256(_mm256_sub_epi16(hi, round_up), nan);
+}
+
+// Returns the elements done (a multiple of 16; the rest is the caller's scalar tail).
+template <typename scalar_t>
+int64_t scale_16bit(scalar_t* x, int64_t n, float c) {
+  const __m256 cv = _mm256_set1_ps(c);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    for (; i + 32 <= n; i += 32) {  // two independent steps per iteration
+      auto* p = reinterpret_cast<__m256i*>(x + i);
+      const __m256i a = _mm256_loadu_si256(p), b = _mm256_loadu_si256(p + 1);
+      _mm256_storeu_si256(p, scale_bf16x16(a, cv));
+      _mm256_storeu_si256(p + 1, scale_bf16x16(b, cv));
+    }
+    for (; i + 16 <= n; i += 16) {
+      auto* p = reinterpret_cast<__m256i*>(x + i);
+      _mm256_storeu_si256(p, scale_bf16x16(_mm256_loadu_si256(p), cv));
+    }
+  } else {  // float16: F16C both ways, 128-bit loads and stores (no lane extraction)
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const auto at = [x](int64_t k) { return reinterpret_cast<__m128i*>(x + k); };
+    for (; i + 32 <= n; i += 32) {
+      const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i))), cv);
+      const __m256 b = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i + 8))), cv);
+      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i + 16))), cv);
+      const __m256 e = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i + 24))), cv);
+      _mm_storeu_si128(at(i), _mm256_cvtps_ph(a, kRound));
+      _mm_storeu_si128(at(i + 8), _mm256_cvtps_ph(b, kRound));
+      _mm_storeu_si128(at(i + 16), _mm256_cvtps_ph(d, kRound));
+      _mm_storeu_si128(at(i + 24), _mm256_cvtps_ph(e, kRound));
+    }
+    for (; i + 16 <= n; i += 16) {
+      const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i))), cv);
+      const __m256 b = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(at(i + 8))), cv);
+      _mm_storeu_si128(at(i), _mm256_cvtps_ph(a, kRound));
+      _mm_storeu_si128(at(i + 8), _mm256_cvtps_ph(b, kRound));
+    }
+  }
+  return i;
+}
+#endif
+
+// x[0, n) *= c in place, vectorised in steps of one Vectorized<scalar_t>; the tail with
+// scale_element. The one scale loop of the CPU backend: multi_tensor_scale_ (scale_chunks) and
+// the per-unit scale (clip_kernels_impl.h).
 template <typename scalar_t>
 void scale_span(scalar_t* x, int64_t n, acc_of<scalar_t> c) {
   using acc_t = acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   const VA cv(c);
   int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    static_assert(Vectorized<scalar_t>::size() == 16, "the same split into steps and tail");
+    i = scale_16bit<scalar_t>(x, n, c);
+  } else
+#endif
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     for (; i + VA::size() <= n; i += VA::size()) (VA::loadu(x + i) * cv).store(x + i);
   } else {

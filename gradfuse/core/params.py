@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import is_not
 
 import torch
 from torch import nn
@@ -59,25 +61,36 @@ def _as_named(i: int, item) -> tuple[str, torch.Tensor]:
 
 
 def module_parameters(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """``module.named_parameters()`` as two lists, walked at half its cost: that generator
-    hashes every parameter with the Python-level ``Tensor.__hash__`` and yields one tuple per
-    parameter. Same modules (from ``named_modules()``), order, names and de-duplication; a
-    module class that overrides ``named_parameters`` gets its own, and so does torch.compile
-    (which traces named_parameters as it is)."""
+    """``module.named_parameters()`` as two lists, walked at a fraction of its cost: that
+    generator hashes every parameter with the Python-level ``Tensor.__hash__`` and yields one
+    tuple per parameter. Same modules (from ``named_modules()``), order, names and
+    de-duplication; a module class that overrides ``named_parameters`` gets its own, and so does
+    torch.compile (which traces named_parameters as it is).
+
+    Each module's parameters are taken as a block (no Python per parameter): every entry of each
+    ``_parameters`` in module order, then the ``None`` entries and the repeats of a parameter
+    (tied weights; its first name stays) are taken out by identity."""
     if (type(module).named_parameters is not nn.Module.named_parameters
             or type(module)._named_members is not nn.Module._named_members
             or torch.compiler.is_compiling()):
         named = list(module.named_parameters())
         return [n for n, _ in named], [p for _, p in named]
-    names, params, seen = [], [], set()
+    names, params = [], []
     for prefix, mod in module.named_modules():
-        dot = prefix + "." if prefix else ""
-        for key, p in mod._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            names.append(dot + key)
-            params.append(p)
+        entries = mod._parameters
+        if entries:
+            params.extend(entries.values())
+            names.extend(map((prefix + ".").__add__, entries) if prefix else entries)
+    ids = set(map(id, params))
+    if id(None) in ids:  # registered as None (``bias=False``): not a parameter
+        keep = list(map(is_not, params, repeat(None)))
+        names, params = list(compress(names, keep)), list(compress(params, keep))
+        ids.discard(id(None))
+    if len(ids) != len(params):  # a parameter under several names: its first one
+        # id -> index of its first occurrence (the last one written, walking from the end)
+        first = dict(zip(map(id, reversed(params)), range(len(params) - 1, -1, -1)))
+        keep = sorted(first.values())
+        names, params = [names[i] for i in keep], [params[i] for i in keep]
     return names, params
 
 

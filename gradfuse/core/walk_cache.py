@@ -18,8 +18,12 @@ cached plan keeps nothing alive, and a list with recycled ids is checked item by
 other. Plans are looked up by the list's length and its first and last names (a few lists of
 one model share no key), at most ``_MAX_PLANS`` of them, oldest dropped first.
 
-Not served here (the functional path, unchanged): modules (their ``named_parameters`` walk can
-change without notice: ``del model.layer``; use ``gradfuse.watch``), generators, ``group=``,
+A module is walked on every call (``gradfuse.core.params.module_parameters``: a change such as
+``del model.layer`` is seen at once); the list of its parameters is then served like a list of
+tensors, by a plan kept under its names (``module_key``), used only while the walk gives the very
+same names. (``gradfuse.watch`` does not walk at all.)
+
+Not served here (the functional path, unchanged): generators, ``group=``,
 ``histogram=True``, negative orders and -inf, DTensor, sparse, complex or subclass gradients,
 devices without compiled kernels, torch.compile tracing, and calls made under a
 TorchFunctionMode or TorchDispatchMode (which see the functional path's ops one by one).
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from gradfuse.core import distributed
-from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.grad_stats import GradStats, with_shared_names
 from gradfuse.core.norms import kernel_takes_order
 from gradfuse.ops import library
 
@@ -40,10 +44,11 @@ _RETRY_EVERY = 32  # calls between attempts to plan a list that could not be pla
 
 
 class _Plan:
-    __slots__ = ("walk", "row_names", "skip")
+    __slots__ = ("walk", "row_names", "skip", "names")
 
-    def __init__(self, walk, row_names, skip=0):
+    def __init__(self, walk, row_names, skip=0, names=None):
         self.walk, self.row_names, self.skip = walk, row_names, skip
+        self.names = names  # a module's parameter names, which its walk must give again
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -74,32 +79,41 @@ def _key(source) -> tuple | None:
     return (len(source), _name_of(source[0]), _name_of(source[-1]))
 
 
-def stats(source, p: float) -> GradStats | None:
-    """``gradfuse.stats(source, norm_type=p)`` from a plan, or None (take the functional path)."""
-    plan = _ready(source, p)
+def module_key(names: list) -> tuple | None:
+    """The key of the plan for a module whose walk gave ``names`` (its parameters, as
+    gradfuse.core.params.named_params lists them), or None."""
+    if _key(names) is None:
+        return None
+    return ("module", len(names), names[0], names[-1])
+
+
+def stats(source, p: float, names: list | None = None) -> GradStats | None:
+    """``gradfuse.stats(source, norm_type=p)`` from a plan, or None (take the functional path).
+    ``names``: ``source`` is the list of a module's parameters, walked with these names."""
+    plan = _ready(source, p, names)
     out = plan.walk.stats(source, p) if plan is not None else None
     if out is None:
         return None
     _hit()
-    return GradStats(list(plan.row_names), out[0], out[1], p, out[2])
+    return with_shared_names(plan.row_names, out[0], out[1], p, out[2])
 
 
-def clip(source, p: float, max_norm: float) -> GradStats | None:
+def clip(source, p: float, max_norm: float, names: list | None = None) -> GradStats | None:
     """``gradfuse.clip_(source, max_norm, p)`` (no error_if_nonfinite) from a plan, or None with
-    nothing touched."""
-    plan = _ready(source, p)
+    nothing touched. ``names``: as for ``stats``."""
+    plan = _ready(source, p, names)
     out = plan.walk.clip(source, p, max_norm) if plan is not None else None
     if out is None:
         return None
     _hit()
-    return GradStats(list(plan.row_names), out[0], out[1], p, out[2], clip_coef=out[3],
-                     max_norm=max_norm)
+    return with_shared_names(plan.row_names, out[0], out[1], p, out[2], clip_coef=out[3],
+                             max_norm=max_norm)
 
 
-def clip_to(source, s: GradStats, max_norm: float) -> GradStats | None:
+def clip_to(source, s: GradStats, max_norm: float, names: list | None = None) -> GradStats | None:
     """Scales the gradients ``s`` (from ``stats`` on ``source``) was taken of, as
-    gradfuse.core.engine.scale_to_max_norm; None with nothing touched."""
-    plan = _ready(source, s.norm_type)
+    gradfuse.core.engine.scale_to_max_norm; None with nothing touched. ``names``: as for ``stats``."""
+    plan = _ready(source, s.norm_type, names)
     out = plan.walk.clip_to(source, s.plain_total_norm, max_norm) if plan is not None else None
     if out is None:
         return None
@@ -112,19 +126,23 @@ def _hit() -> None:
     hits += 1
 
 
-def _ready(source, p: float) -> _Plan | None:
+def _ready(source, p: float, names: list | None = None) -> _Plan | None:
     if not kernel_takes_order(p):
         return None
-    key = _key(source)
+    key = _key(source) if names is None else module_key(names)
     plan = _plans.get(key) if key is not None else None
-    return plan if plan is not None and plan.walk is not None else None
+    if plan is None or plan.walk is None or (names is not None and plan.names != names):
+        return None
+    return plan
 
 
-def planned(source, p: float, names: list, params: list, grads: list, s: GradStats) -> None:
+def planned(source, p: float, names: list, params: list, grads: list, s: GradStats, *,
+            module: bool = False) -> None:
     """After a functional call on ``source`` (``names``, ``params``: every item, as
     gradfuse.core.params.named_params gives them; ``grads``: those present; ``s``: the result): a plan for the
-    next calls, when the walk can serve them."""
-    key = _key(source)
+    next calls, when the walk can serve them. ``module``: ``source`` is ``params``, a module's
+    parameters, and the plan is kept under their ``names``."""
+    key = _key(source) if not module else module_key(names)
     if key is None or not kernel_takes_order(p) or not len(s):
         return  # (no gradient yet: nothing to plan, and nothing to remember)
     cls = _walk_class()
@@ -139,7 +157,8 @@ def planned(source, p: float, names: list, params: list, grads: list, s: GradSta
     while len(_plans) >= _MAX_PLANS:
         _plans.pop(next(iter(_plans)))
     _plans[key] = _Plan(walk, list(s.names) if walk is not None else None,
-                        skip=0 if walk is not None else _RETRY_EVERY)
+                        skip=0 if walk is not None else _RETRY_EVERY,
+                        names=list(names) if module and walk is not None else None)
 
 
 def _make(cls, source, names, params, grads, s):

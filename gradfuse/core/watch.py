@@ -2,12 +2,12 @@
 statistics and clips at a host cost that does not grow with Python work per parameter.
 
 The functional calls (``gradfuse.stats(model)``, ``gradfuse.clip_(model)``) walk the module
-tree, read every ``.grad`` in Python and hand a list of 10 000 tensors to the dispatcher, every
-step. A ``GradWatch`` does the walk once; each step, C++ (``csrc/watch.cpp``) reads the
-gradients from the cached parameters, checks them against a plan made on an earlier step (which
-parameters have a gradient, each group's device and dtype, the order of the result's rows), and
-runs the fused ops, the total norm and the clip coefficient without Python. Results are bitwise
-those of the functional calls.
+tree in Python every step (the gradients are then read in C++ once the walk gives the names of
+an earlier call: gradfuse.core.walk_cache). A ``GradWatch`` does the walk once; each step, C++
+(``csrc/watch.cpp``) reads the gradients from the cached parameters, checks them against a plan
+made on an earlier step (which parameters have a gradient, each group's device and dtype, the
+order of the result's rows), and runs the fused ops, the total norm and the clip coefficient
+without Python. Results are bitwise those of the functional calls.
 
 Whatever the fast path does not serve takes the functional path (gradfuse.core.engine) for that step,
 with its errors naming the parameters: a step whose gradients differ from the plan (a gradient
@@ -24,7 +24,7 @@ from torch import nn
 
 from gradfuse.core import distributed
 from gradfuse.core.engine import fused_stats, raise_if_nonfinite, scale_to_max_norm
-from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.grad_stats import GradStats, with_shared_names
 from gradfuse.core.norms import kernel_takes_order
 from gradfuse.core.params import check_max_norm, check_norm_type, named_params, with_grads
 from gradfuse.ops import library
@@ -149,7 +149,7 @@ class GradWatch:
             out = self._fast.stats(self.norm_type)
             if out:
                 self.last_path = "fast"
-                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2])
+                return with_shared_names(self._row_names, out[0], out[1], self.norm_type, out[2])
         return self._python_stats(rows)
 
     @torch.no_grad()
@@ -175,8 +175,8 @@ class GradWatch:
             out = self._fast.clip(self.norm_type, max_norm)
             if out:
                 self.last_path = "fast"
-                return GradStats(list(self._row_names), out[0], out[1], self.norm_type, out[2],
-                                 clip_coef=out[3], max_norm=max_norm)
+                return with_shared_names(self._row_names, out[0], out[1], self.norm_type, out[2],
+                                         clip_coef=out[3], max_norm=max_norm)
         s = self.stats(rows=rows)
         if len(s) and error_if_nonfinite:
             raise_if_nonfinite(s)
@@ -218,7 +218,7 @@ class GradWatch:
             rows = [self._index[name] for name in s.names]
             compiled = [t for t in ("cpu", "cuda") if library.has_kernel(t)]
             if self._fast.plan(rows, s.plain_total_norm, compiled):
-                self._row_names = list(s.names)  # s.names is the caller's to change
+                self._row_names = list(s.names)  # s.names is the caller's to change; this one is never changed
         return s
 
     @torch.no_grad()

@@ -304,10 +304,6 @@ def test_what_the_walk_does_not_serve_is_unchanged():
             s, hit = served(gradfuse.stats, n1, **kwargs)
             assert not hit
             assert_same_stats(s, ref)
-    model = nn.Linear(3, 2)
-    model(torch.randn(1, 3)).sum().backward()
-    gradfuse.stats(model)
-    assert not served(gradfuse.stats, model)[1]  # modules: use gradfuse.watch
     n1[2][1].grad = n1[2][1].grad.to_sparse()
     for _ in range(2):
         n2 = clone_named(n1)
@@ -326,3 +322,51 @@ def test_gradient_free_and_empty_lists():
     named[0][1].grad = torch.ones(3)
     s, hit = served(gradfuse.stats, named)
     assert not hit and s.names == ["a"] and float(s.total_norm) == pytest.approx(math.sqrt(3))
+
+
+def module_twins(seed=0):
+    """Two equal models with equal gradients: nested modules, a parameter registered as None,
+    a tied parameter."""
+    def make():
+        torch.manual_seed(seed)
+        m = nn.Module()
+        m.a, m.b, m.c = nn.Linear(4, 3, bias=False), nn.Sequential(nn.Linear(3, 3), nn.Tanh()), nn.Linear(3, 2)
+        m.tied = nn.Linear(3, 2)
+        m.tied.weight = m.c.weight
+        h = m.b(m.a(torch.randn(5, 4)))
+        (m.c(h).pow(2).sum() + m.tied(h).sum()).backward()
+        return m
+    return make(), make()
+
+
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+def test_module_parameters_served_bitwise_and_walked_every_call(error_if_nonfinite):
+    m1, m2 = module_twins()
+    for step in range(3):  # the first call plans, the next ones are served
+        s, hit = served(gradfuse.clip_, m1, 0.05, error_if_nonfinite=error_if_nonfinite)
+        ref = uncached(gradfuse.clip_, m2, 0.05, error_if_nonfinite=error_if_nonfinite)
+        assert hit == (step > 0)
+        assert_same_stats(s, ref)
+        assert s.names == [n for n, _ in m1.named_parameters()]
+        assert_same_grads(list(m1.named_parameters()), list(m2.named_parameters()))
+        s, hit = served(gradfuse.stats, m1, norm_type=3.0)
+        assert hit  # the plan (made by the first clip_) serves any order the kernels take
+        assert_same_stats(s, uncached(gradfuse.stats, m2, norm_type=3.0))
+    # A change the registration hooks do not see is seen by the walk: the functional path, a new plan.
+    for m in (m1, m2):
+        del m.b
+    s, hit = served(gradfuse.clip_, m1, 0.05)
+    assert not hit and s.names == [n for n, _ in m1.named_parameters()]
+    assert_same_stats(s, uncached(gradfuse.clip_, m2, 0.05))
+    assert served(gradfuse.clip_, m1, 0.05)[1]
+    # A gradient gone: the functional path, which leaves it out.
+    m1.a.weight.grad = m2.a.weight.grad = None
+    s, hit = served(gradfuse.stats, m1)
+    assert not hit and "a.weight" not in s.names
+    assert_same_stats(s, uncached(gradfuse.stats, m2))
+    # A parameter replaced under the same name: the one registered at the call is read.
+    for m in (m1, m2):
+        m.tied.bias = nn.Parameter(torch.full((2,), 3.0))
+        m.tied.bias.grad = torch.full((2,), 2.0)
+    assert served(gradfuse.stats, m1)[1]  # planned on the call before
+    assert_same_stats(gradfuse.stats(m1), uncached(gradfuse.stats, m2))

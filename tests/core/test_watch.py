@@ -228,6 +228,9 @@ def test_module_walk_matches_named_parameters():
     m.shared_list = nn.ModuleList([m.head, m.blocks[0]])  # modules reachable twice
     m.register_parameter("none", None)
     m.blocks[2][0].bias = None
+    m.tied_late = nn.Linear(2, 2)
+    m.tied_late.weight = m.blocks[0][0].weight  # a parameter under two names: the first one stays
+    m.blocks[1].register_parameter("again", m.head.bias)
     names, params = api.named_params(m)
     ref = list(m.named_parameters())
     assert names == [n for n, _ in ref] and all(p is q for p, (_, q) in zip(params, ref))

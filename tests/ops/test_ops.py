@@ -160,6 +160,56 @@ def test_scale(device, dtype, cpu_capability):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def every_16bit_pattern(dtype, seed):
+    """All 65 536 bit patterns of a 16-bit float (NaN payloads of both signs, Inf, subnormals,
+    -0.0), shuffled, then normal values near 1 (whose products round in every way)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)[torch.randperm(65536, generator=g)]
+    near_one = torch.empty(40000, dtype=torch.float32).uniform_(0.5, 4.0, generator=g).to(dtype)
+    return torch.cat([bits.view(dtype), near_one])
+
+
+def same_bits_or_both_nan(got, expect):
+    """Bitwise equal where the expected value is a number (and -0.0 kept); NaN where it is NaN."""
+    nan = expect.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expect.view(torch.int16)[~nan])
+
+
+# Coefficients exact in float32, as the kernels take them: clip coefficients, a product that
+# overflows the dtype, one that underflows to subnormals and zero, 0 (0 * Inf is NaN), NaN.
+SCALE_COEFS = [0.37, 0.5, 0.999, 1e-3, 1e-6, 3.0, 300.0, 0.0, -0.75, math.nan]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("conditional", [False, True], ids=["always", "conditional"])
+def test_16bit_scale_matches_torch_mul_bitwise(dtype, cpu_capability, conditional):
+    x = every_16bit_pattern(dtype, seed=0)
+    # whole, odd lengths and unaligned starts: every split into 16-element steps and a tail
+    cuts = [(0, x.numel()), (1, 4097), (3, 18), (5, 5 + 47), (7, 7 + 15), (2, 2 + 16), (9, 9 + 33)]
+    for c in SCALE_COEFS:
+        c32 = float(torch.tensor(c, dtype=torch.float32))
+        for lo, hi in cuts:
+            got, expect = x.clone(), x.clone()
+            scale_op([got[lo:hi]], torch.tensor(c32), conditional)
+            if not conditional or not c32 >= 1.0:
+                expect[lo:hi].mul_(c32)  # torch: the product in float32, rounded to nearest even
+            same_bits_or_both_nan(got, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16bit_unit_scale_matches_torch_mul_bitwise(dtype, cpu_capability):
+    x = every_16bit_pattern(dtype, seed=1)
+    tensors = [x[3:70001], x[:1000].clone(), x[7:7 + 31].clone(), x[70003:70003 + 65]]  # unaligned views
+    coefs = torch.tensor([0.37, 3.0, 1e-3, 0.0], dtype=torch.float32)
+    expect = [t.clone() for t in tensors]
+    for t, c in zip(expect, coefs.tolist()):
+        t.mul_(c)
+    ops.multi_tensor_scale_per_tensor_(tensors, coefs, False)
+    for got, exp in zip(tensors, expect):
+        same_bits_or_both_nan(got, exp)
+
+
 @pytest.mark.parametrize("value", [1.0, 2.0])
 def test_scale_is_noop_when_coef_at_least_one(device, dtype, value):
     x = randn(CHUNK + 3, dtype, device)
