@@ -1,10 +1,11 @@
 // The ATen side of the CUDA ops (input checks, allocation, device guard, stream) around the
-// launches of stats_ops.cuh, clip_ops.cuh and hist_ops.cuh, written once for two devices: the GPU
+// launches of stats_ops.cuh, clip_ops.cuh, hist_ops.cuh and update_ops.cuh, written once for two devices: the GPU
 // (the .cu files) and the CUDA emulation that runs the same kernels on CPU tensors in the tests
 // (tests/cuda_emu). A Device
 // supplies:
 //   kType            the tensors' device type
-//   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp
+//   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp,
+//   kUpdateStatsOp, kUpdateClipOp
 //                    the ops' names, for error messages
 //   Guard            constructed from the tensors' device (the GPU's CUDAGuard)
 //   stream()         the stream to launch on
@@ -17,13 +18,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <sstream>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../common/engine.h"
 #include "clip_ops.cuh"
 #include "hist_ops.cuh"
 #include "stats_ops.cuh"
+#include "update_ops.cuh"
 
 namespace gradfuse::cuda {
 
@@ -184,6 +189,139 @@ at::Tensor multi_tensor_exponent_histogram_on(at::TensorList tensors) {
                                out.template data_ptr<int64_t>(), stream);
   });
   return out;
+}
+
+// ---- The optimizer-update ops (update_ops.cuh)
+
+// The argument checks of multi_tensor_update_stats / multi_tensor_update_clip_ (op: the name
+// errors cite): one (device, dtype) group of contiguous parameters, gradients of their shapes,
+// state lists of the same length whose entries are empty (absent) or like their parameter, the
+// hyper-parameter table float64 [n, kNumHyper] on the parameters' device, and a known rule.
+inline void check_update_args(const char* op, c10::DeviceType device_type, at::TensorList params,
+                              at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
+                              at::TensorList moment2_max, const at::Tensor& hyper, int64_t rule) {
+  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam), op,
+              ": rule must be 0 (SGD) or 1 (Adam), got ", rule);
+  const auto n = params.size();
+  const std::pair<const char*, at::TensorList> state[] = {
+      {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
+  TORCH_CHECK(grads.size() == n, op, ": grads has ", grads.size(), " tensors but params has ", n);
+  for (const auto& [name, list] : state) {
+    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
+    TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] has layout ", p.layout(),
+                "; only dense (strided) tensors are supported");
+    TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
+                "; expected float16, bfloat16, float32 or float64");
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), op, ": params[", i, "] has dtype ", p.scalar_type(),
+                " but params[0] has ", params[0].scalar_type(), "; call once per (device, dtype) group");
+    TORCH_CHECK(p.device().type() == device_type && p.device() == params[0].device(), op, ": params[", i,
+                "] is on ", p.device(), " but params[0] is on ", params[0].device());
+    TORCH_CHECK(p.is_contiguous(), op, ": params[", i, "] must be contiguous");
+    const auto like_param = [&](const at::Tensor& t) {
+      return t.defined() && t.layout() == at::kStrided && t.sizes() == p.sizes() &&
+             t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.is_contiguous();
+    };
+    const auto describe = [](const at::Tensor& t) -> std::string {
+      if (!t.defined()) return "an undefined tensor";
+      std::ostringstream out;
+      out << "shape " << t.sizes() << ", dtype " << t.scalar_type() << " on " << t.device()
+          << (t.is_contiguous() ? "" : ", not contiguous");
+      return out.str();
+    };
+    TORCH_CHECK(like_param(grads[i]), op, ": grads[", i, "] must be contiguous with params[", i, "]'s shape ",
+                p.sizes(), " and dtype ", p.scalar_type(), ", got ", describe(grads[i]));
+    for (const auto& [name, list] : state) {
+      const auto& t = list[i];
+      TORCH_CHECK((t.defined() && t.numel() == 0) || like_param(t), op, ": ", name, "[", i,
+                  "] must be contiguous with params[", i, "]'s shape ", p.sizes(), " and dtype ", p.scalar_type(),
+                  ", or empty (absent), got ", describe(t));
+    }
+  }
+  const auto first_device = n == 0 ? hyper.device() : params[0].device();
+  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
+                  hyper.size(1) == kNumHyper && hyper.device() == first_device && hyper.is_contiguous(),
+              op, ": hyper must be a contiguous float64 tensor of shape [", n, ", ", static_cast<int>(kNumHyper),
+              "] on ", first_device, ", got shape ", hyper.sizes(), ", dtype ", hyper.scalar_type(), " on ",
+              hyper.device());
+}
+
+// The call's tensors as five-list spans (absent state: null) and their chunk plan.
+struct UpdateGroup {
+  std::vector<ListSpan<kUpdateLists>> spans;
+  ChunkPlan plan;
+
+  UpdateGroup(at::TensorList params, at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
+              at::TensorList moment2_max) {
+    std::vector<Span> flat;
+    flat.reserve(params.size());
+    spans.reserve(params.size());
+    const auto ptr = [](const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr(); };
+    for (size_t i = 0; i < params.size(); ++i) {
+      spans.push_back({{ptr(params[i]), ptr(grads[i]), ptr(moment1[i]), ptr(moment2[i]), ptr(moment2_max[i])},
+                       params[i].numel()});
+      flat.push_back({ptr(params[i]), params[i].numel()});
+    }
+    plan = make_chunk_plan(flat);
+  }
+};
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_update_stats_on(at::TensorList params, at::TensorList grads,
+                                                                at::TensorList moment1, at::TensorList moment2,
+                                                                at::TensorList moment2_max, const at::Tensor& hyper,
+                                                                int64_t rule) {
+  check_update_args(Device::kUpdateStatsOp, Device::kType, params, grads, moment1, moment2, moment2_max, hyper, rule);
+  const auto n = static_cast<int64_t>(params.size());
+  if (n == 0) {
+    return {at::empty({0, kNumUpdateFloatStats}, at::dtype(at::kDouble)),
+            at::empty({0, kNumUpdateCountStats}, at::dtype(at::kLong))};
+  }
+  const typename Device::Guard guard(params[0].device());
+  const UpdateGroup group(params, grads, moment1, moment2, moment2_max);
+  const auto opts = params[0].options();
+  const auto dtype = params[0].scalar_type();
+  const int64_t part_rows = std::max<int64_t>(group.plan.num_chunks(), 1);
+  auto part_f = Device::empty({part_rows, kNumUpdateFloatStats}, opts.dtype(partial_dtype(dtype)));
+  auto part_c = Device::empty({part_rows, kNumUpdateCountStats}, opts.dtype(at::kLong));
+  auto out_f = Device::empty({n, kNumUpdateFloatStats}, opts.dtype(at::kDouble));
+  auto out_c = Device::empty({n, kNumUpdateCountStats}, opts.dtype(at::kLong));
+  const auto stream = Device::stream();
+  dispatch_float(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_update_stats<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule),
+                                  hyper.template data_ptr<double>(), static_cast<acc_of<scalar_t>*>(part_f.data_ptr()),
+                                  part_c.template data_ptr<int64_t>(), out_f.template data_ptr<double>(),
+                                  out_c.template data_ptr<int64_t>(), stream);
+  });
+  return {out_f, out_c};
+}
+
+template <typename Device>
+void multi_tensor_update_clip_on(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                                 at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
+                                 const at::Tensor& coefs, int64_t rule) {
+  const char* op = Device::kUpdateClipOp;
+  check_update_args(op, Device::kType, params, grads, moment1, moment2, moment2_max, hyper, rule);
+  const auto n = static_cast<int64_t>(params.size());
+  const auto first_device = n == 0 ? coefs.device() : params[0].device();
+  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n &&
+                  coefs.device() == first_device && coefs.is_contiguous(),
+              op, ": coefs must be a contiguous float64 tensor of shape [", n, "] on ", first_device, ", got shape ",
+              coefs.sizes(), ", dtype ", coefs.scalar_type(), " on ", coefs.device());
+  if (n == 0) return;
+  const typename Device::Guard guard(params[0].device());
+  const UpdateGroup group(params, grads, moment1, moment2, moment2_max);
+  if (group.plan.num_chunks() == 0) return;
+  const auto stream = Device::stream();
+  dispatch_float(params[0].scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_update_clip<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule),
+                                 hyper.template data_ptr<double>(), coefs.template data_ptr<double>(), stream);
+  });
 }
 
 }  // namespace gradfuse::cuda
