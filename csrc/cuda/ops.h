@@ -18,8 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <sstream>
-#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -193,60 +191,61 @@ at::Tensor multi_tensor_exponent_histogram_on(at::TensorList tensors) {
 
 // ---- The optimizer-update ops (update_ops.cuh)
 
+// Entry i of `list` must be a tensor like params[i]: same shape, dtype and device, contiguous;
+// `may_be_absent`: or empty (numel 0), a missing state. The messages are the CPU backend's.
+inline void check_like_param(at::TensorList list, const char* name, at::TensorList params, size_t i,
+                             bool may_be_absent, const char* op) {
+  const at::Tensor& t = list[i];
+  const at::Tensor& p = params[i];
+  TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+  if (may_be_absent && t.numel() == 0) return;
+  const bool ok = t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
+                  t.device() == p.device() && t.is_contiguous();
+  TORCH_CHECK(ok, op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
+              " and dtype ", p.scalar_type(), ", got shape ", t.sizes(), ", dtype ", t.scalar_type(), ", device ",
+              t.device(), t.layout() == at::kStrided && !t.is_contiguous() ? ", not contiguous" : "");
+}
+
 // The argument checks of multi_tensor_update_stats / multi_tensor_update_clip_ (op: the name
-// errors cite): one (device, dtype) group of contiguous parameters, gradients of their shapes,
-// state lists of the same length whose entries are empty (absent) or like their parameter, the
-// hyper-parameter table float64 [n, kNumHyper] on the parameters' device, and a known rule.
+// errors cite), as the CPU backend makes them: one (device, dtype) group of contiguous
+// parameters, gradients like them, state lists of the same length whose entries are like their
+// parameter or empty (absent), the hyper-parameter table float64 [n, kNumHyper] on the
+// parameters' device, and a known rule.
 inline void check_update_args(const char* op, c10::DeviceType device_type, at::TensorList params,
                               at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
                               at::TensorList moment2_max, const at::Tensor& hyper, int64_t rule) {
+  const size_t n = params.size();
+  const std::pair<const char*, at::TensorList> lists[] = {
+      {"grads", grads}, {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
+  for (const auto& [name, list] : lists) {
+    TORCH_CHECK(list.size() == n, op, ": expected ", n, " ", name, " (one per params), got ", list.size());
+  }
   TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam), op,
               ": rule must be 0 (SGD) or 1 (Adam), got ", rule);
-  const auto n = params.size();
-  const std::pair<const char*, at::TensorList> state[] = {
-      {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
-  TORCH_CHECK(grads.size() == n, op, ": grads has ", grads.size(), " tensors but params has ", n);
-  for (const auto& [name, list] : state) {
-    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const auto& p = params[i];
-    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
-    TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] has layout ", p.layout(),
-                "; only dense (strided) tensors are supported");
-    TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
-                "; expected float16, bfloat16, float32 or float64");
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), op, ": params[", i, "] has dtype ", p.scalar_type(),
-                " but params[0] has ", params[0].scalar_type(), "; call once per (device, dtype) group");
-    TORCH_CHECK(p.device().type() == device_type && p.device() == params[0].device(), op, ": params[", i,
-                "] is on ", p.device(), " but params[0] is on ", params[0].device());
-    TORCH_CHECK(p.is_contiguous(), op, ": params[", i, "] must be contiguous");
-    const auto like_param = [&](const at::Tensor& t) {
-      return t.defined() && t.layout() == at::kStrided && t.sizes() == p.sizes() &&
-             t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.is_contiguous();
-    };
-    const auto describe = [](const at::Tensor& t) -> std::string {
-      if (!t.defined()) return "an undefined tensor";
-      std::ostringstream out;
-      out << "shape " << t.sizes() << ", dtype " << t.scalar_type() << " on " << t.device()
-          << (t.is_contiguous() ? "" : ", not contiguous");
-      return out.str();
-    };
-    TORCH_CHECK(like_param(grads[i]), op, ": grads[", i, "] must be contiguous with params[", i, "]'s shape ",
-                p.sizes(), " and dtype ", p.scalar_type(), ", got ", describe(grads[i]));
-    for (const auto& [name, list] : state) {
-      const auto& t = list[i];
-      TORCH_CHECK((t.defined() && t.numel() == 0) || like_param(t), op, ": ", name, "[", i,
-                  "] must be contiguous with params[", i, "]'s shape ", p.sizes(), " and dtype ", p.scalar_type(),
-                  ", or empty (absent), got ", describe(t));
-    }
-  }
-  const auto first_device = n == 0 ? hyper.device() : params[0].device();
+  const auto device = n ? params[0].device() : c10::Device(device_type);
   TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
-                  hyper.size(1) == kNumHyper && hyper.device() == first_device && hyper.is_contiguous(),
+                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
               op, ": hyper must be a contiguous float64 tensor of shape [", n, ", ", static_cast<int>(kNumHyper),
-              "] on ", first_device, ", got shape ", hyper.sizes(), ", dtype ", hyper.scalar_type(), " on ",
-              hyper.device());
+              "] on ", device, ", got shape ", hyper.sizes(), ", dtype ", hyper.scalar_type(), ", device ",
+              hyper.device(), hyper.is_contiguous() ? "" : ", not contiguous");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& first = params[0];
+    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
+    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.device().type() == device_type,
+                op, ": params[", i, "] must be a dense float16, bfloat16, float32 or float64 ",
+                c10::DeviceTypeName(device_type), " tensor, got ", p.layout(), " ", p.scalar_type(), " on ",
+                p.device());
+    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(), op, ": params[", i, "] is ",
+                p.scalar_type(), " on ", p.device(), " but params[0] is ", first.scalar_type(), " on ", first.device(),
+                "; call once per (device, dtype) group");
+    TORCH_CHECK(p.is_contiguous(), op, ": params[", i, "] must be contiguous, got strides ", p.strides(),
+                " for shape ", p.sizes());
+    check_like_param(grads, "grads", params, i, false, op);
+    check_like_param(moment1, "moment1", params, i, true, op);
+    check_like_param(moment2, "moment2", params, i, true, op);
+    check_like_param(moment2_max, "moment2_max", params, i, true, op);
+  }
 }
 
 // The call's tensors as five-list spans (absent state: null) and their chunk plan.
@@ -307,11 +306,12 @@ void multi_tensor_update_clip_on(at::TensorList params, at::TensorList grads, at
   const char* op = Device::kUpdateClipOp;
   check_update_args(op, Device::kType, params, grads, moment1, moment2, moment2_max, hyper, rule);
   const auto n = static_cast<int64_t>(params.size());
-  const auto first_device = n == 0 ? coefs.device() : params[0].device();
+  const auto device = n ? params[0].device() : c10::Device(Device::kType);
   TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n &&
-                  coefs.device() == first_device && coefs.is_contiguous(),
-              op, ": coefs must be a contiguous float64 tensor of shape [", n, "] on ", first_device, ", got shape ",
-              coefs.sizes(), ", dtype ", coefs.scalar_type(), " on ", coefs.device());
+                  coefs.device() == device && coefs.is_contiguous(),
+              op, ": coefs must be a contiguous float64 tensor of shape [", n, "] on ", device, ", got shape ",
+              coefs.sizes(), ", dtype ", coefs.scalar_type(), ", device ", coefs.device(),
+              coefs.is_contiguous() ? "" : ", not contiguous");
   if (n == 0) return;
   const typename Device::Guard guard(params[0].device());
   const UpdateGroup group(params, grads, moment1, moment2, moment2_max);
