@@ -133,3 +133,38 @@ def multi_tensor_exponent_histogram(tensors: list[torch.Tensor]) -> torch.Tensor
     if not tensors or not op_compiled("multi_tensor_exponent_histogram", tensors[0].device):
         return reference.multi_tensor_exponent_histogram(tensors)
     return torch.ops.gradfuse.multi_tensor_exponent_histogram(tensors)
+
+
+# ---- The optimizer's update: the update that torch.optim.SGD / Adam / AdamW is about to apply,
+# per parameter, and its rescaling after the step (csrc/common/update_math.h).
+
+def multi_tensor_update_stats(params: list[torch.Tensor], grads: list[torch.Tensor], moment1: list[torch.Tensor],
+                              moment2: list[torch.Tensor], moment2_max: list[torch.Tensor], hyper: torch.Tensor,
+                              rule: int):
+    """Per parameter of one (device, dtype) group, the statistics of the update the optimizer's
+    step is about to apply, in one pass over the weights, the gradients and the state before the
+    step, with no temporaries and no host synchronisation.
+
+    ``moment1`` / ``moment2`` / ``moment2_max``: one entry per parameter, the optimizer's state
+    (Adam's ``exp_avg`` / ``exp_avg_sq`` / ``max_exp_avg_sq``, SGD's ``momentum_buffer`` in
+    ``moment1``) or an empty tensor where it is absent. ``hyper``: float64 ``[n, NUM_HYPER]`` on
+    the parameters' device (columns ``HYPER_COLUMNS``); ``rule``: ``RULE_SGD`` or ``RULE_ADAM``.
+
+    Returns ``(floats, counts)``: float64 ``[n, NUM_UPDATE_FLOAT_STATS]`` and int64
+    ``[n, NUM_UPDATE_COUNT_STATS]`` (columns ``UPDATE_FLOAT_COLUMNS`` / ``UPDATE_COUNT_COLUMNS``).
+    """
+    if not params or not op_compiled("multi_tensor_update_stats", params[0].device):
+        return reference.multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hyper, rule)
+    return torch.ops.gradfuse.multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hyper, rule)
+
+
+def multi_tensor_update_clip_(params: list[torch.Tensor], grads: list[torch.Tensor], moment1: list[torch.Tensor],
+                              moment2: list[torch.Tensor], moment2_max: list[torch.Tensor], hyper: torch.Tensor,
+                              coefs: torch.Tensor, rule: int) -> None:
+    """After ``optimizer.step()``: rescales the update just applied to ``params[i]`` by
+    ``coefs[i]`` (float64 ``[n]`` on the device) where it is below 1, ``w = w_before + c * u``,
+    from the state the step left and without a copy of the weights; a coefficient >= 1 or NaN
+    leaves the tensor untouched (decided on the device). Arguments as ``multi_tensor_update_stats``."""
+    if not params or not op_compiled("multi_tensor_update_clip_", params[0].device):
+        return reference.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule)
+    torch.ops.gradfuse.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule)

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from gradfuse.ops.layout import NUM_BINS, NUM_COUNT_STATS, NUM_FLOAT_STATS
+from gradfuse.ops.layout import (
+    NUM_BINS,
+    NUM_COUNT_STATS,
+    NUM_FLOAT_STATS,
+    NUM_UPDATE_COUNT_STATS,
+    NUM_UPDATE_FLOAT_STATS,
+)
 from gradfuse.ops.library import extension
 
 
@@ -52,6 +58,16 @@ def _histogram_fake(tensors):
     return tensors[0].new_empty((len(tensors), NUM_BINS), dtype=torch.int64)
 
 
+def _update_stats_fake(params, grads, moment1, moment2, moment2_max, hyper, rule):
+    n = len(params)
+    return (hyper.new_empty((n, NUM_UPDATE_FLOAT_STATS), dtype=torch.float64),
+            hyper.new_empty((n, NUM_UPDATE_COUNT_STATS), dtype=torch.int64))
+
+
+def _update_clip_fake(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule):
+    return None
+
+
 FAKES = {
     "multi_tensor_stats": _stats_fake,
     "multi_tensor_moments": _moments_fake,
@@ -60,6 +76,8 @@ FAKES = {
     "multi_tensor_unit_scale_": _unit_scale_fake,
     "multi_tensor_clamp_": _clamp_fake,
     "multi_tensor_exponent_histogram": _histogram_fake,
+    "multi_tensor_update_stats": _update_stats_fake,
+    "multi_tensor_update_clip_": _update_clip_fake,
 }
 
 if extension is not None:

@@ -67,6 +67,55 @@ NAN, INF, ZERO, NUMEL = (COUNT_NAMES.index(n) for n in ("nan", "inf", "zero", "n
 SUMMED_FLOAT_COLUMNS = tuple(i for i, c in enumerate(FLOAT_COLUMNS) if c.combine == "sum")
 MAX_FLOAT_COLUMNS = tuple(i for i, c in enumerate(FLOAT_COLUMNS) if c.combine == "max")
 
+# ---- The optimizer-update rows (``multi_tensor_update_stats``): float64 ``[n, 4]`` and int64
+# ``[n, 5]``, one row per parameter, for the update that torch.optim.SGD / Adam / AdamW is about to
+# apply, formed from the weight, the gradient and the optimizer's state before the step. The
+# compiled side declares the same columns once, in ``csrc/common/update_math.h``
+# (``GRADFUSE_UPDATE_FLOAT_STATS`` / ``GRADFUSE_UPDATE_COUNT_STATS``; ``build_info()["update_stats_layout"]``).
+UPDATE_FLOAT_COLUMNS: tuple[Column, ...] = (
+    Column("update_sumsq", "sum", 2, "sum of squares of the update u = w_after - w_before"),
+    Column("weight_sumsq", "sum", 2, "sum of squares of the weight before the step"),
+    Column("moment1_sumsq", "sum", 2,
+           "sum of squares of the first moment after the step (Adam's exp_avg, SGD's momentum buffer; "
+           "0 for SGD without momentum)"),
+    Column("moment2_sumsq", "sum", 2,
+           "sum of squares of Adam's bias-corrected root sqrt(v') / sqrt(1 - beta2^t) (v' the second "
+           "moment after the step, its running maximum with amsgrad); 0 for SGD"),
+)
+UPDATE_COUNT_COLUMNS: tuple[Column, ...] = (
+    Column("update_nonfinite", "sum", None, "NaN or Inf elements of the update"),
+    Column("weight_nonfinite", "sum", None, "NaN or Inf elements of the weight before the step"),
+    Column("moment_nonfinite", "sum", None, "elements whose first or second moment after the step is NaN or Inf"),
+    Column("eps_dominated", "sum", None,
+           "Adam: elements whose bias-corrected root is below eps (the denominator is mostly eps); 0 for SGD"),
+    Column("numel", "sum", None, "elements"),
+)
+
+UPDATE_FLOAT_NAMES = tuple(c.name for c in UPDATE_FLOAT_COLUMNS)
+UPDATE_COUNT_NAMES = tuple(c.name for c in UPDATE_COUNT_COLUMNS)
+NUM_UPDATE_FLOAT_STATS = len(UPDATE_FLOAT_COLUMNS)
+NUM_UPDATE_COUNT_STATS = len(UPDATE_COUNT_COLUMNS)
+UPDATE_SUMSQ, WEIGHT_SUMSQ, MOMENT1_SUMSQ, MOMENT2_SUMSQ = (
+    UPDATE_FLOAT_NAMES.index(n) for n in ("update_sumsq", "weight_sumsq", "moment1_sumsq", "moment2_sumsq"))
+UPDATE_NONFINITE, WEIGHT_NONFINITE, MOMENT_NONFINITE, EPS_DOMINATED, UPDATE_NUMEL = (
+    UPDATE_COUNT_NAMES.index(n)
+    for n in ("update_nonfinite", "weight_nonfinite", "moment_nonfinite", "eps_dominated", "numel"))
+
+# The hyper-parameter table of the update ops: float64 ``[n, len(HYPER_COLUMNS)]``, one row per
+# parameter, on the parameters' device. SGD reads ``beta1`` as its momentum and ``beta2`` as its
+# dampening; ``step`` is Adam's step number t of the step being taken (the state's step + 1);
+# ``flags`` holds the ``FLAG_*`` bits as a float64 integer.
+HYPER_COLUMNS = ("lr", "weight_decay", "beta1", "beta2", "eps", "step", "flags")
+NUM_HYPER = len(HYPER_COLUMNS)
+HYPER_LR, HYPER_WEIGHT_DECAY, HYPER_BETA1, HYPER_BETA2, HYPER_EPS, HYPER_STEP, HYPER_FLAGS = range(NUM_HYPER)
+FLAG_MAXIMIZE = 1
+FLAG_NESTEROV = 2
+FLAG_AMSGRAD = 4
+FLAG_DECOUPLED = 8
+# The ``rule`` argument of the update ops.
+RULE_SGD = 0
+RULE_ADAM = 1
+
 NUM_BINS = 283
 BIN_BELOW = 0
 BIN_ZERO = 1
