@@ -3,11 +3,11 @@ csrc/cuda/update_ops.cuh on the several-list tables of csrc/cuda/multi_tensor.cu
 csrc/cuda/ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu (see
 test_cuda_emulated.py).
 
-Each result is compared with two references written here in PyTorch: the float64 one (the
-update_math.h arithmetic in float64) and a mirror of the kernels' own arithmetic, the same
-operations in the same order in the accumulation dtype (float32 for float32, bfloat16 and
-float16), which the clipped weights must equal bitwise and the update statistics within the
-rounding of their summation order; and with the CPU backend where it has the ops. SGD and Adam /
+Each result is compared with the float64 reference (gradfuse/ops/reference.py), with a mirror
+written here of the kernels' own arithmetic (update_math.h's operations in the same order in the
+accumulation dtype: float32 for float32, bfloat16 and float16), which the clipped weights must
+equal bitwise and the update statistics within the rounding of their summation order, and with
+the CPU backend where the build has the ops. SGD and Adam /
 AdamW configurations (momentum, dampening, nesterov, maximize, amsgrad, L2 or decoupled decay, the
 first step's absent state), every dtype, NaN and Inf, empty tensors, sizes across chunks,
 misaligned views, more tensors than one launch table, and clip coefficients below 1, at least 1
@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 from emu_fixtures import SANITIZED, rerun_under_sanitizers
+
+from gradfuse.ops import reference
 
 CHUNK = 65536
 SIZES = [0, 1, 7, 33, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5]
@@ -103,7 +105,7 @@ def update_element(h, w, g, m, v, v_max, has_buffer):
         m1 = lerp(m, g, h.one_minus_beta1, h.one, h.half)
         v_new = v * h.beta2 + h.one_minus_beta2 * g * g
         if h.amsgrad:
-            v_new = torch.where(v_max > v_new, v_max, v_new)
+            v_new = torch.where((v_max > v_new) | v_max.isnan(), v_max, v_new)  # nan_max
         root = sqrt(v_new) / h.bias_correction2_sqrt
         adam = -h.step_size * (m1 / (root + h.eps))
         update = (w * h.decay_factor - w) + adam if h.decoupled else adam
@@ -259,7 +261,7 @@ def check_stats(emu, params, state, hyper, rule, dtype, what):
     assert got[0].dtype == torch.float64 and got[1].dtype == torch.long
     mirror = update_stats_mirror(params, *state, hyper, rule, acc_dtype(dtype))
     assert_rows_close(got, mirror, STATS_RTOL[dtype], what + " (acc-dtype mirror)")
-    f64 = update_stats_mirror(params, *state, hyper, rule, torch.float64)
+    f64 = reference.multi_tensor_update_stats(params, *state, hyper, rule)
     if dtype == torch.float64:
         torch.testing.assert_close(got[0], f64[0], rtol=1e-12, atol=0, equal_nan=True, msg=what + " (float64)")
     else:
@@ -349,7 +351,7 @@ def check_clip(emu, params, state, hyper, coefs, rule, dtype, what):
     mirror = [p.clone() for p in params]
     update_clip_mirror_(mirror, *state, hyper, coefs, rule, acc_dtype(dtype))
     f64 = [p.clone() for p in params]
-    update_clip_mirror_(f64, *state, hyper, coefs, rule, torch.float64)
+    reference.multi_tensor_update_clip_(f64, *state, hyper, coefs, rule)
     for i, (got, m, r, before) in enumerate(zip(on_emu, mirror, f64, params)):
         if not float(coefs[i]) < 1.0:
             assert torch.equal(bits(got), bits(before)), f"{what}: params[{i}] was touched"
