@@ -331,6 +331,21 @@ def test_empty_call_and_empty_tensors(emu):
     assert torch.equal(c, torch.zeros(2, 5, dtype=torch.long))
 
 
+@pytest.mark.parametrize("present", ["m", "v", "mx", "vx", "x"])
+@pytest.mark.parametrize("config", ["adam", "adamw_amsgrad"])
+def test_unusual_state_combinations(emu, dtype, config, present):
+    # Adam's state partly absent (zeros): the loop for any combination, which checks each pointer.
+    params = [randn((n,), dtype, seed=n) for n in (CHUNK + 9, 35, 1000)]
+    grads, m1s, m2s, maxs = make_state("adamw_amsgrad", params, dtype)
+    empty = [torch.empty(0, dtype=dtype)] * len(params)
+    state = (grads, m1s if "m" in present else empty, m2s if "v" in present else empty,
+             maxs if "x" in present else empty)
+    rule, hyper = hyper_rows(config, len(params))
+    check_stats(emu, params, state, hyper, rule, dtype, f"{config}, state {present}")
+    coefs = torch.tensor([0.5, 0.25, 0.75], dtype=torch.float64)
+    check_clip(emu, params, state, hyper, coefs, rule, dtype, f"{config}, state {present}")
+
+
 @pytest.mark.parametrize("count_of", ["small+1", "large+5"])
 @pytest.mark.parametrize("config", ["sgd_momentum", "adamw_amsgrad"])
 def test_several_launch_tables(emu, config, count_of):
