@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Instruction budget of the stats kernel, read from the machine code the compiler emitted.
+"""Instruction budget of the stats kernel (and of the clipping, histogram and optimizer-update
+kernels, below), read from the machine code the compiler emitted.
 
 A streaming kernel runs at min(memory bandwidth, issue rate / instructions per element). On an
 H200 (4.8 TB/s, about 33.5e12 thread-instructions/s) a 2-byte element may cost at most ~14
@@ -415,6 +416,145 @@ def clip_report(kernels: list[ClipLoop], arch: str) -> str:
     return "\n".join(lines)
 
 
+# ---- The optimizer-update kernels (UpdateStatsOp, UpdateClipOp of csrc/cuda/update_ops.cuh, per
+# dtype and rule), which stream several tensor lists at once, one loop per case of the optimizer
+# state present (SGD with or without its buffer; Adam's first step, exp_avg and exp_avg_sq, and
+# max_exp_avg_sq with amsgrad; the clip reads the weights and what its rule needs of the gradient
+# and state). Each such loop moves one 16-byte pack of each list per trip (#pragma unroll 1), so
+# its traffic per element is read off the loop: (16-byte loads + 16-byte stores) x element size
+# bytes. Its budget is that traffic times the H200's instructions per byte at full bandwidth
+# (33.5e12 / 4.8e12, about 7), times UPDATE_MARGIN. Checked: every innermost loop of 16-byte
+# loads whose loads are all unpredicated (the fallback for unusual combinations of absent state
+# predicates its loads on each list's presence and is not a steady state). Counted: the
+# instructions of the loop as issued, less the slow paths of IEEE division and square root (a
+# block that a forward branch skips and that calls the out-of-line routine), which run only for
+# operands out of the fast path's range (denormals, overflow).
+# Adam's element is torch's exact arithmetic (update_math.h: two IEEE divisions and an IEEE square
+# root, about 31 instructions, then the sums and counts), about 61 instructions whatever the
+# dtype (amsgrad's NaN-propagating max, about 5 more): more than a 2-byte element's traffic pays
+# for on an H200 (8 bytes per element with exp_avg and exp_avg_sq: ~56). Its loops are held to
+# UPDATE_ARITHMETIC instead where that is higher than the traffic budget, and reported as
+# compute-bound where they exceed the bound itself.
+ISSUE_RATE = 33.5e12  # H200 thread-instructions per second
+BANDWIDTH = 4.8e12  # H200 bytes per second
+UPDATE_MARGIN = 0.85
+UPDATE_ARITHMETIC = {("update_stats", "adam"): 68.0, ("update_clip", "adam"): 56.0}
+_UPDATE_KERNEL = re.compile(r"(UpdateStatsOp|UpdateClipOp)I(N3c108BFloat16E|N3c104HalfE|f|d)LNS_10UpdateRuleE(\d)E")
+_UPDATE_KIND = {"UpdateStatsOp": "update_stats", "UpdateClipOp": "update_clip"}
+_UPDATE_RULES = {"0": "sgd", "1": "adam"}
+_ANY_LOAD16 = re.compile(r"^(@!?U?P\w+\s+)?LDG?\.E\.128\b")
+_CALL = re.compile(r"^(?:@!?U?P\w+\s+)?CALL\b")
+_FWD_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
+
+
+@dataclasses.dataclass
+class UpdateLoop:
+    kernel: str  # mangled name
+    kind: str  # update_stats / update_clip
+    dtype: str
+    rule: str  # sgd / adam
+    elem_bytes: int
+    loop: Loop
+    loads16: int
+    stores16: int
+    cold: int  # slow-path instructions in the loop body, not issued in the steady state
+
+    @property
+    def elements(self) -> int:
+        return 16 // self.elem_bytes
+
+    @property
+    def lists(self) -> str:
+        return f"{self.loads16}r{self.stores16}w" if self.stores16 else f"{self.loads16}r"
+
+    @property
+    def bytes_per_element(self) -> int:
+        return (self.loads16 + self.stores16) * self.elem_bytes
+
+    @property
+    def issued(self) -> int:
+        return self.loop.instructions - self.cold
+
+    @property
+    def per_element(self) -> float:
+        return self.issued / self.elements
+
+    @property
+    def bound(self) -> float:
+        """Instructions per element at which the loop stops being memory-bound on an H200."""
+        return self.bytes_per_element * ISSUE_RATE / BANDWIDTH
+
+    @property
+    def budget(self) -> float:
+        return max(self.bound * UPDATE_MARGIN, UPDATE_ARITHMETIC.get((self.kind, self.rule), 0.0))
+
+    @property
+    def table(self) -> str:
+        m = _TABLE.search(self.kernel)
+        return m.group(1) if m else "-"
+
+
+def cold_instructions(body: list[str], start: int) -> int:
+    """Instructions of `body` (which starts at instruction index `start`) in blocks that a
+    conditional forward branch skips and that hold a CALL: the out-of-line slow paths."""
+    cold = set()
+    for i, ins in enumerate(body):
+        m = _FWD_BRANCH.match(ins)
+        if not m:
+            continue
+        target = int(m.group(1), 16) // 16 - start
+        if i < target <= len(body) and any(_CALL.match(b) for b in body[i + 1:target]):
+            cold.update(range(i + 1, target))
+    return len(cold)
+
+
+def update_kernel_loops(sass: str) -> list[UpdateLoop]:
+    """The steady-state loops (every case of the state present) of every optimizer-update kernel
+    instantiation in `sass`; raises when one has none."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _UPDATE_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(2)]
+        found = []
+        for lp in loops(instructions):
+            body = instructions[lp.start:lp.end + 1]
+            loads = [b for b in body if _ANY_LOAD16.match(b)]
+            if loads:
+                found.append((lp, body, loads))
+        inner = [(lp, body, loads) for lp, body, loads in found
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o, _, _ in found)]
+        steady = [(lp, body, loads) for lp, body, loads in inner if not any(b.startswith("@") for b in loads)]
+        if not steady:
+            raise ValueError(f"no loop of unpredicated 16-byte loads found in {name}")
+        for lp, body, loads in steady:
+            stores = sum(bool(_STORE16.match(b)) for b in body)
+            result.append(UpdateLoop(name, _UPDATE_KIND[m.group(1)], dtype, _UPDATE_RULES[m.group(3)], elem_bytes,
+                                     lp, len(loads), stores, cold_instructions(body, lp.start)))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (k.kind, order.index(k.dtype), k.rule,
+                                         int(k.table) if k.table.isdigit() else 0, k.loads16))
+
+
+def update_over_budget(kernels: list[UpdateLoop]) -> list[UpdateLoop]:
+    return [k for k in kernels if k.per_element > k.budget]
+
+
+def update_report(kernels: list[UpdateLoop], arch: str) -> str:
+    lines = [f"optimizer-update kernels' loops (one per case of the state read), {arch}",
+             f"{'kernel':<14}{'dtype':<6}{'rule':<6}{'table':>6}{'lists':>7}{'B/elem':>7}{'instr/trip':>11}"
+             f"{'cold':>6}{'elems/trip':>11}{'instr/elem':>11}{'bound':>7}{'budget':>8}"]
+    for k in kernels:
+        budget = k.budget if arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  OVER BUDGET" if k.per_element > budget else
+                                          "  ok, compute-bound" if k.per_element > k.bound else "  ok")
+        lines.append(f"{k.kind:<14}{k.dtype:<6}{k.rule:<6}{k.table:>6}{k.lists:>7}{k.bytes_per_element:>7}"
+                     f"{k.loop.instructions:>11}{k.cold:>6}{k.elements:>11}{k.per_element:>11.2f}{k.bound:>7.1f}"
+                     f"{'' if budget is None else f'{budget:.1f}':>8}{flag}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
@@ -429,6 +569,7 @@ def main(argv=None) -> int:
         kernels = stats_kernel_loops(sass)
         clip_kernels = clip_kernel_loops(sass)
         hist_kernels = hist_kernel_loops(sass)
+        update_kernels = update_kernel_loops(sass)
         res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
@@ -446,12 +587,19 @@ def main(argv=None) -> int:
     if clip_kernels:
         print()
         print(clip_report(clip_kernels, args.arch))
+    if update_kernels:
+        print()
+        print(update_report(update_kernels, args.arch))
     if args.arch == BUDGET_ARCH and over_budget(kernels):
         print("over budget: " + ", ".join(sorted({k.dtype for k in over_budget(kernels)})), file=sys.stderr)
         return 1
     if args.arch == BUDGET_ARCH and clip_over_budget(clip_kernels):
         print("over budget: " + ", ".join(sorted({f"{k.kind} {k.dtype}" for k in clip_over_budget(clip_kernels)})),
               file=sys.stderr)
+        return 1
+    if args.arch == BUDGET_ARCH and update_over_budget(update_kernels):
+        print("over budget: " + ", ".join(sorted({f"{k.kind} {k.dtype} {k.rule} {k.lists}"
+                                                  for k in update_over_budget(update_kernels)})), file=sys.stderr)
         return 1
     if args.arch == BUDGET_ARCH and hist_over_budget(hist_kernels):
         print("hist_kernel over budget: " + ", ".join(sorted({k.dtype for k in hist_over_budget(hist_kernels)})),

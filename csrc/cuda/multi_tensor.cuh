@@ -1,6 +1,6 @@
 // The multi-tensor launcher of the CUDA backend: one launch table, one kernel template and one
 // traversal of a tensor's elements, serving every op through a functor (stats_ops.cuh,
-// clip_ops.cuh, hist_ops.cuh), as apex's multi_tensor_apply and PyTorch's MultiTensorApply do.
+// clip_ops.cuh, hist_ops.cuh, update_ops.cuh), as apex's multi_tensor_apply and PyTorch's MultiTensorApply do.
 // Free of ATen.
 //
 // The same text is compiled by nvcc for the GPU (the .cu files add the ATen glue of ops.h:
@@ -11,17 +11,19 @@
 // under nvcc, a call of the emulator's launcher under g++.
 //
 // Work is a list of *items* over the tensors of a call, each done by one block:
-//  - whole-tensor ops (statistics, histogram): the chunks of the chunk plan (chunk_plan.h);
+//  - whole-tensor ops (statistics, histogram, the optimizer-update ops): the chunks of the chunk
+//    plan (chunk_plan.h);
 //  - per-unit ops (unit statistics, scale, clamp): the items of the unit plan (unit_plan.h), of
 //    which units of 1 are the chunk plan again.
 // Both plans are shared with the CPU backend. One launch covers up to kMaxTensorsPerLaunch
-// (whole-tensor) or kMaxUnitTensorsPerLaunch (per-unit, whose table has three more columns)
-// tensors, whatever their sizes: their addresses, sizes and item ids travel in the kernel argument
+// (whole-tensor), kMaxUnitTensorsPerLaunch (per-unit, whose table has three more columns) or
+// kMaxListTensorsPerLaunch (ops that stream several tensor lists at once, parameters, gradients
+// and optimizer state: a data pointer per list) tensors, whatever their sizes: their addresses, sizes and item ids travel in the kernel argument
 // (CUDA >= 12.1 allows 32 KB; groups of at most kSmallTableTensors get a small table, as the whole
 // argument is copied at every launch). Each block finds its item by binary search over that
 // table. multi_tensor_kernel<Op, Table> hands the item to Op, which streams it with
-// for_each_element: kUnroll independent 16-byte loads per thread in flight
-// (scripts/sass_budget.py checks the instructions per element the compiler emitted).
+// for_each_element (for_each_element_of_lists over several lists): 16-byte loads per thread in
+// flight (scripts/sass_budget.py checks the instructions per element the compiler emitted).
 //
 // Reductions are in two stages with no float atomics, so results are bitwise stable: one partial
 // row per item (or per unit of a packed item), then finalize_kernel combines the rows of each
@@ -45,6 +47,7 @@
 #include "../common/chunk_plan.h"
 #include "../common/stats_math.h"
 #include "../common/unit_plan.h"
+#include "../common/update_math.h"
 
 namespace gradfuse::cuda {
 
@@ -56,6 +59,9 @@ constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 constexpr int kMaxTensorsPerLaunch = 1280;
 // Per-unit tables: 6 x 8 bytes per tensor, 24 KB.
 constexpr int kMaxUnitTensorsPerLaunch = 512;
+// Several-list tables (five data pointers per tensor: the optimizer-update ops' parameters,
+// gradients and three state lists): 7 x 8 bytes per tensor, 28 KB.
+constexpr int kMaxListTensorsPerLaunch = 512;
 // Groups this small launch with a small table instead: the whole argument is copied for every
 // launch, whatever the number of tensors in it.
 constexpr int kSmallTableTensors = 64;
@@ -68,11 +74,24 @@ struct UnitColumns {
 };
 struct NoUnitColumns {};
 
-// The kernel argument: kCapacity tensors of a whole-tensor op (kUnits false) or a per-unit op.
-template <int kCapacity, bool kUnits>
-struct LaunchTable : std::conditional_t<kUnits, UnitColumns<kCapacity>, NoUnitColumns> {
+// The data pointers of lists 1 .. kLists-1 (list 0 is LaunchTable::data); null where a tensor of
+// that list is absent.
+template <int kCapacity, int kLists>
+struct ListColumns {
+  void* list_data[kLists - 1][kCapacity];
+};
+template <int kCapacity>
+struct ListColumns<kCapacity, 1> {};
+
+// The kernel argument: kCapacity tensors of a whole-tensor op (kUnits false) or a per-unit op,
+// each with kLists data pointers (tensor i of every list has the same number of elements).
+template <int kCapacity, bool kUnits, int kLists = 1>
+struct LaunchTable : std::conditional_t<kUnits, UnitColumns<kCapacity>, NoUnitColumns>,
+                     ListColumns<kCapacity, kLists> {
+  static_assert(kLists == 1 || !kUnits, "several lists for whole-tensor tables only");
   static constexpr int kMaxTensors = kCapacity;
   static constexpr bool kHasUnits = kUnits;
+  static constexpr int kNumLists = kLists;
   int64_t num_tensors;
   int64_t first_row;  // whole-tensor tables: the result row (call index) of tensor 0
   void* data[kCapacity];
@@ -81,6 +100,21 @@ struct LaunchTable : std::conditional_t<kUnits, UnitColumns<kCapacity>, NoUnitCo
 };
 static_assert(sizeof(LaunchTable<kMaxTensorsPerLaunch, false>) <= 32000, "the table must fit the 32 KB kernel argument");
 static_assert(sizeof(LaunchTable<kMaxUnitTensorsPerLaunch, true>) <= 32000, "the table must fit the 32 KB kernel argument");
+static_assert(sizeof(LaunchTable<kMaxListTensorsPerLaunch, false, 5>) <= 32000,
+              "the table must fit the 32 KB kernel argument");
+// One list adds nothing to a table.
+static_assert(sizeof(LaunchTable<kSmallTableTensors, false>) == (2 + 3 * kSmallTableTensors + 1) * 8,
+              "a one-list table is num_tensors, first_row and three columns");
+
+// Tensor t's data pointer in list `list` of the table.
+template <typename Table>
+__host__ __device__ inline void* list_data(const Table& table, int list, int64_t t) {
+  if constexpr (Table::kNumLists == 1) {
+    return table.data[t];
+  } else {
+    return list == 0 ? table.data[t] : table.list_data[list - 1][t];
+  }
+}
 
 template <typename scalar_t>
 using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -129,16 +163,31 @@ multi_tensor_kernel(const __grid_constant__ Table table, const Op op) {
   op(table, locate(table, table.first_item[0] + blockIdx.x));
 }
 
-// Every column of the lane delta places down (StatsAcc::for_each visits them in column order).
+// The columns of a reduced row type (StatsAcc, UpdateAcc), for the shared rows of block_reduce
+// and the finalize.
+template <typename Row>
+struct RowColumns;
 template <typename acc_t>
-__device__ inline StatsAcc<acc_t> shfl_down(StatsAcc<acc_t> s, int delta) {
+struct RowColumns<StatsAcc<acc_t>> {
+  using acc = acc_t;
+  static constexpr int kFloats = kNumFloatStats, kCounts = kNumCountStats, kNumelColumn = kNumel;
+};
+template <typename acc_t>
+struct RowColumns<UpdateAcc<acc_t>> {
+  using acc = acc_t;
+  static constexpr int kFloats = kNumUpdateFloatStats, kCounts = kNumUpdateCountStats, kNumelColumn = kUpdateNumel;
+};
+
+// Every column of the lane delta places down (Row::for_each visits them in column order).
+template <typename Row>
+__device__ inline Row shfl_down(Row s, int delta) {
   s.for_each([delta](auto& member) { member = __shfl_down_sync(0xffffffffu, member, delta); });
   return s;
 }
 
 // Fixed-shape tree over the warp: lane 0 ends with the result, the same every run.
-template <typename acc_t>
-__device__ inline void warp_reduce(StatsAcc<acc_t>& s) {
+template <typename Row>
+__device__ inline void warp_reduce(Row& s) {
 #pragma unroll
   for (int delta = 16; delta > 0; delta /= 2) s.combine(shfl_down(s, delta));
 }
@@ -146,17 +195,18 @@ __device__ inline void warp_reduce(StatsAcc<acc_t>& s) {
 // The block's total, in thread 0 (the other threads get their warp's partial): the warp trees,
 // then thread 0 combines the warps in order. Every thread must call it. Its shared rows may be
 // written again by a later call only after another barrier (thread 0 reads them after this one).
-template <typename acc_t>
-__device__ inline StatsAcc<acc_t> block_reduce(StatsAcc<acc_t> s) {
-  __shared__ acc_t warp_f[kWarps][kNumFloatStats];
-  __shared__ int64_t warp_c[kWarps][kNumCountStats];
+template <typename Row>
+__device__ inline Row block_reduce(Row s) {
+  using C = RowColumns<Row>;
+  __shared__ typename C::acc warp_f[kWarps][C::kFloats];
+  __shared__ int64_t warp_c[kWarps][C::kCounts];
   warp_reduce(s);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) s.store(warp_f[warp], warp_c[warp]);
   __syncthreads();
   if (threadIdx.x == 0) {
-    s = StatsAcc<acc_t>::load(warp_f[0], warp_c[0]);
-    for (int w = 1; w < kWarps; ++w) s.combine(StatsAcc<acc_t>::load(warp_f[w], warp_c[w]));
+    s = Row::load(warp_f[0], warp_c[0]);
+    for (int w = 1; w < kWarps; ++w) s.combine(Row::load(warp_f[w], warp_c[w]));
   }
   return s;
 }
@@ -261,6 +311,54 @@ __device__ inline void for_each_element(std::conditional_t<kWrite, scalar_t, con
   }
 }
 
+// The traversal of several lists at once (tensor i of each list: the same n elements): calls
+// f(packs, k) for every element thread `tid` of a group of kN threads owns, packs[l] holding list
+// l's element k. Which lists are read is decided at compile time, so that the loop of each case
+// holds only its own loads: lists in kLoaded are read (their pointers must not be null), lists in
+// kMaybe are read where their pointer is not null (an absent tensor), and every other list reads
+// as zeros without touching memory. Aligned fast path when every list read is 16-byte aligned:
+// one 16-byte load per list and thread in flight, a pack of each list per trip (the arithmetic of
+// the ops that stream several lists is long enough to hide the loop); else element by
+// element, as for_each_element's misaligned path. With kWriteFirst, f may change packs[0].v[k]
+// and list 0 (which must be in kLoaded) is stored back; the others are only read.
+template <int kN, int kLists, bool kWriteFirst, unsigned kLoaded, unsigned kMaybe, typename scalar_t, typename F>
+__device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], int n, int tid, F&& f) {
+  static_assert(!kWriteFirst || (kLoaded & 1u), "the list written is read");
+  using P = Pack<scalar_t>;
+  const auto read = [&](int l) {
+    return ((kLoaded >> l) & 1u) != 0 || (((kMaybe >> l) & 1u) != 0 && x[l] != nullptr);
+  };
+  bool aligned = true;
+#pragma unroll
+  for (int l = 0; l < kLists; ++l) {
+    if (((kLoaded | kMaybe) >> l) & 1u) aligned = aligned && reinterpret_cast<uintptr_t>(x[l]) % sizeof(P) == 0;
+  }
+  int i = 0;
+  if (aligned) {
+    const int packs = n / P::kSize;
+#pragma unroll 1  // a pack of each list per trip (scripts/sass_budget.py reads the traffic from it)
+    for (int j = tid; j < packs; j += kN) {
+      P v[kLists];
+#pragma unroll
+      for (int l = 0; l < kLists; ++l) v[l] = read(l) ? reinterpret_cast<const P*>(x[l])[j] : P{};
+#pragma unroll
+      for (int k = 0; k < P::kSize; ++k) f(v, k);
+      if constexpr (kWriteFirst) reinterpret_cast<P*>(x[0])[j] = v[0];
+    }
+    i = packs * P::kSize;
+  }
+  for (int j = i + tid; j < n; j += kN) {
+    P v[kLists];
+#pragma unroll
+    for (int l = 0; l < kLists; ++l) {
+      v[l] = P{};
+      if (read(l)) v[l].v[0] = x[l][j];
+    }
+    f(v, 0);
+    if constexpr (kWriteFirst) x[0][j] = v[0].v[0];
+  }
+}
+
 // Which rows a table's finalize step writes, and where each one's partial rows are.
 struct RowParts {
   int64_t first;  // first partial row
@@ -290,32 +388,37 @@ __device__ inline RowParts row_parts(const Table& table, int64_t row) {
 }
 
 // Statistics, second stage: one warp per result row of the table; lane l takes the row's partial
-// rows l, l+32, ... in order, then a fixed tree. `part_extra` (optional): one count per partial
-// row (the clamp's), summed into out_extra. `shifts` (optional, kMoments): the row's shift, for
-// StatsAcc::finish_moments. Rows without elements get their zero row here.
-template <typename acc_t, typename Table>
+// rows l, l+32, ... in order, then a fixed tree. Row: the reduced row type (StatsAcc, or
+// UpdateAcc of the optimizer-update statistics), combined in double. `part_extra` (optional): one
+// count per partial row (the clamp's), summed into out_extra. `shifts` (optional, kMoments,
+// StatsAcc only): the row's shift, for StatsAcc::finish_moments. Rows without elements get their
+// zero row here.
+template <template <typename> class Row, typename acc_t, typename Table>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
 finalize_kernel(const __grid_constant__ Table table, const acc_t* __restrict__ part_f,
                 const int64_t* __restrict__ part_c, const int64_t* __restrict__ part_extra,
                 double* __restrict__ out_f, int64_t* __restrict__ out_c, int64_t* __restrict__ out_extra,
                 const double* __restrict__ shifts) {
+  using C = RowColumns<Row<double>>;
   const int64_t row = rows_begin(table) + int64_t(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
   if (row >= rows_end(table)) return;  // whole warps
   const int lane = threadIdx.x % 32;
   const RowParts parts = row_parts(table, row);
-  StatsAcc<double> s;
+  Row<double> s;
   int64_t extra = 0;
   for (int64_t r = parts.first + lane; r < parts.first + parts.count; r += 32) {
-    s.combine(StatsAcc<acc_t>::load(part_f + r * kNumFloatStats, part_c + r * kNumCountStats));
+    s.combine(Row<acc_t>::load(part_f + r * C::kFloats, part_c + r * C::kCounts));
     if (part_extra) extra += part_extra[r];
   }
   warp_reduce(s);
 #pragma unroll
   for (int delta = 16; delta > 0; delta /= 2) extra += __shfl_down_sync(0xffffffffu, extra, delta);
   if (lane == 0) {
-    if (shifts != nullptr && parts.len > 0) s.finish_moments(shifts[row], parts.len);
-    s.store(out_f + row * kNumFloatStats, out_c + row * kNumCountStats);
-    out_c[row * kNumCountStats + kNumel] = parts.len;
+    if constexpr (std::is_same_v<Row<double>, StatsAcc<double>>) {
+      if (shifts != nullptr && parts.len > 0) s.finish_moments(shifts[row], parts.len);
+    }
+    s.store(out_f + row * C::kFloats, out_c + row * C::kCounts);
+    out_c[row * C::kCounts + C::kNumelColumn] = parts.len;
     if (out_extra) out_extra[row] = extra;
   }
 }
@@ -327,6 +430,28 @@ void fill_table(Table& table, const std::vector<Span>& spans, const ChunkPlan& p
   table.first_row = base;
   for (int64_t k = 0; k < count; ++k) {
     table.data[k] = spans[base + k].data;
+    table.numel[k] = spans[base + k].numel;
+    table.first_item[k] = plan.first_chunk[base + k];
+  }
+  table.first_item[count] = plan.first_chunk[base + count];
+}
+
+// One tensor of a several-list call: its elements and its data pointer in each list (null: absent).
+template <int kLists>
+struct ListSpan {
+  void* data[kLists];
+  int64_t numel;
+};
+
+template <typename Table, int kLists>
+void fill_table(Table& table, const std::vector<ListSpan<kLists>>& spans, const ChunkPlan& plan, int64_t base,
+                int64_t count) {
+  static_assert(Table::kNumLists == kLists, "a table of the spans' lists");
+  table.num_tensors = count;
+  table.first_row = base;
+  for (int64_t k = 0; k < count; ++k) {
+    table.data[k] = spans[base + k].data[0];
+    for (int l = 1; l < kLists; ++l) table.list_data[l - 1][k] = spans[base + k].data[l];
     table.numel[k] = spans[base + k].numel;
     table.first_item[k] = plan.first_chunk[base + k];
   }
@@ -351,21 +476,40 @@ void fill_table(Table& table, const std::vector<UnitSpan>& spans, const UnitPlan
   table.first_prow[count] = plan.first_prow[base + count];
 }
 
-// Splits the spans (Span: whole-tensor tables, UnitSpan: per-unit tables) into launch tables and
-// calls launch(table) for each: a small table when its tensors fit one, else a large one.
+// The tables a kind of span fills: Span whole-tensor tables, UnitSpan per-unit tables,
+// ListSpan<kLists> whole-tensor tables of kLists lists.
+template <typename SpanT>
+struct TableKind {
+  static constexpr bool kUnits = false;
+  static constexpr int kLists = 1, kMax = kMaxTensorsPerLaunch;
+};
+template <>
+struct TableKind<UnitSpan> {
+  static constexpr bool kUnits = true;
+  static constexpr int kLists = 1, kMax = kMaxUnitTensorsPerLaunch;
+};
+template <int kNumLists>
+struct TableKind<ListSpan<kNumLists>> {
+  static constexpr bool kUnits = false;
+  static constexpr int kLists = kNumLists, kMax = kMaxListTensorsPerLaunch;
+};
+
+// Splits the spans (Span: whole-tensor tables, UnitSpan: per-unit tables, ListSpan: several-list
+// tables) into launch tables and calls launch(table) for each: a small table when its tensors fit
+// one, else a large one.
 template <typename SpanT, typename Plan, typename F>
 void for_each_table(const std::vector<SpanT>& spans, const Plan& plan, F&& launch) {
-  constexpr bool kUnits = std::is_same_v<SpanT, UnitSpan>;
-  constexpr int kMax = kUnits ? kMaxUnitTensorsPerLaunch : kMaxTensorsPerLaunch;
+  constexpr bool kUnits = TableKind<SpanT>::kUnits;
+  constexpr int kLists = TableKind<SpanT>::kLists, kMax = TableKind<SpanT>::kMax;
   const int64_t n = static_cast<int64_t>(spans.size());
   for (int64_t base = 0; base < n; base += kMax) {
     const int64_t count = std::min<int64_t>(kMax, n - base);
     if (count <= kSmallTableTensors) {
-      LaunchTable<kSmallTableTensors, kUnits> table;
+      LaunchTable<kSmallTableTensors, kUnits, kLists> table;
       fill_table(table, spans, plan, base, count);
       launch(table);
     } else {
-      LaunchTable<kMax, kUnits> table;
+      LaunchTable<kMax, kUnits, kLists> table;
       fill_table(table, spans, plan, base, count);
       launch(table);
     }
@@ -381,13 +525,13 @@ void launch_items(const Table& table, const Op& op, Stream stream) {
   GRADFUSE_LAUNCH(kernel, static_cast<unsigned>(items), kThreads, stream, table, op);
 }
 
-template <typename acc_t, typename Table, typename Stream>
+template <typename acc_t, template <typename> class Row = StatsAcc, typename Table, typename Stream>
 void launch_finalize(const Table& table, const acc_t* part_f, const int64_t* part_c, const int64_t* part_extra,
                      double* out_f, int64_t* out_c, int64_t* out_extra, Stream stream,
                      const double* shifts = nullptr) {
   const int64_t rows = rows_end(table) - rows_begin(table);
   if (rows == 0) return;
-  auto* finalize = &finalize_kernel<acc_t, Table>;
+  auto* finalize = &finalize_kernel<Row, acc_t, Table>;
   GRADFUSE_LAUNCH(finalize, static_cast<unsigned>((rows + kFinalizeWarps - 1) / kFinalizeWarps),
                   kFinalizeWarps * 32, stream, table, part_f, part_c, part_extra, out_f, out_c, out_extra, shifts);
 }

@@ -175,3 +175,78 @@ def test_built_hist_kernels_within_instruction_budget(built_sass):
     assert sorted((k.dtype, k.table) for k in kernels) == sorted(
         (d, t) for d in ("bf16", "fp16", "fp32") for t in ("64", "1280"))
     assert not sass_budget.hist_over_budget(kernels), report
+
+
+# ---- The optimizer-update functors (csrc/cuda/update_ops.cuh)
+UPDATE_BF16_ADAM = ("_ZN8gradfuse4cuda19multi_tensor_kernelINS0_13UpdateStatsOpIN3c108BFloat16ELNS_10UpdateRuleE1EEE"
+                    "NS0_11LaunchTableILi64ELb0ELi5EEEEEvT0_T_")
+UPDATE_FP32_CLIP_SGD = ("_ZN8gradfuse4cuda19multi_tensor_kernelINS0_12UpdateClipOpIfLNS_10UpdateRuleE0EEE"
+                        "NS0_11LaunchTableILi512ELb0ELi5EEEEEvT0_T_")
+
+
+def test_update_loops_one_per_case_without_slow_paths_nor_fallback():
+    # Loop 1 (4 lists, aligned): 4 loads, a division whose slow path (3 instructions, a CALL) is
+    # branched around, 8 instructions more. Loop 2: the fallback, two of its loads predicated.
+    # Loop 3: 2 lists. Then the slow-path routine.
+    div = """
+        MUFU.RCP R9, R8
+        FCHK P5, R4, R8
+        FFMA R10, R4, R9, RZ
+        @!P5 BRA @{skip}
+        MOV R2, R8
+        MOV R28, 0x40
+        CALL.REL.NOINC @40
+        BSYNC B2"""
+    body = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]", "LDG.E.128 R16, desc[UR4][R14.64]",
+            "LD.E.128 R20, desc[UR4][R24.64]"]
+    body += [ln.strip() for ln in div.strip().splitlines()] + ["FFMA R30, R4, R4, R30"] * 8 + ["@P0 BRA @0"]
+    body[4 + 3] = body[4 + 3].format(skip=4 + 7)
+    fallback = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]",
+                "@P1 LDG.E.128 R16, desc[UR4][R14.64]", "@P2 LDG.E.128 R20, desc[UR4][R24.64]",
+                "FFMA R30, R4, R4, R30", f"@P0 BRA @{len(body)}"]
+    two = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]", "FFMA R30, R4, R4, R30",
+           f"@P0 BRA @{len(body) + len(fallback)}"]
+    tail = ["EXIT"] + ["NOP"] * (40 - len(body) - len(fallback) - len(two) - 1) + ["RET.REL.NODEC R28 0x0"]
+    sass = fake_sass(UPDATE_BF16_ADAM, "\n".join(body + fallback + two + tail))
+    k4, k2 = sorted(sass_budget.update_kernel_loops(sass), key=lambda k: -k.loads16)
+    assert (k4.kind, k4.dtype, k4.rule, k4.table, k4.lists) == ("update_stats", "bf16", "adam", "64", "4r")
+    # 21 instructions, 3 of them the slow path; 8 bf16 elements per trip of 4 x 2 bytes each.
+    assert (k4.loop.instructions, k4.cold, k4.elements, k4.bytes_per_element) == (21, 3, 8, 8)
+    # Adam's statistics: the floor of its exact arithmetic (68) is above the traffic budget here.
+    assert k4.per_element == 18 / 8 and k4.bound == pytest.approx(8 * 33.5 / 4.8)
+    assert k4.budget == sass_budget.UPDATE_ARITHMETIC["update_stats", "adam"] == 68
+    assert (k2.lists, k2.cold, k2.per_element, k2.bytes_per_element) == ("2r", 0, 4 / 8, 4)
+    assert not sass_budget.update_over_budget([k4, k2])
+    with pytest.raises(ValueError, match="no loop of unpredicated 16-byte loads"):
+        sass_budget.update_kernel_loops(fake_sass(UPDATE_BF16_ADAM, "\n".join(fallback[:-1] + ["@P0 BRA @0", "EXIT"])))
+
+
+def test_update_clip_traffic_counts_the_store_and_over_budget_fails():
+    loop = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]"]
+    loop += ["FFMA R4, R8, R9, R4"] * 60 + ["STG.E.128 desc[UR4][R2.64], R4", "@P0 BRA @0", "EXIT"]
+    (k,) = sass_budget.update_kernel_loops(fake_sass(UPDATE_FP32_CLIP_SGD, "\n".join(loop)))
+    assert (k.kind, k.rule, k.table, k.lists, k.bytes_per_element, k.elements) == ("update_clip", "sgd", "512", "2r1w",
+                                                                                    12, 4)
+    # 64 instructions per 4 elements (16) within 12 bytes x ~7 x 0.85 (71): SGD has no arithmetic floor.
+    assert k.per_element == 64 / 4 and k.budget == pytest.approx(12 * 33.5 / 4.8 * 0.85)
+    assert not sass_budget.update_over_budget([k])
+    loop[2:62] = ["FFMA R4, R8, R9, R4"] * 300
+    (k,) = sass_budget.update_kernel_loops(fake_sass(UPDATE_FP32_CLIP_SGD, "\n".join(loop)))
+    assert sass_budget.update_over_budget([k]) == [k]
+
+
+def test_built_update_kernels_within_instruction_budget(built_sass):
+    import torch
+    if not hasattr(torch.ops.gradfuse, "multi_tensor_update_stats"):
+        pytest.skip("gradfuse._C built without the optimizer-update ops")
+    kernels = sass_budget.update_kernel_loops(built_sass)
+    report = sass_budget.update_report(kernels, "sm_90")
+    print(report)
+    assert {(k.kind, k.dtype, k.rule, k.table) for k in kernels} == {
+        (kind, d, r, t) for kind in ("update_stats", "update_clip") for d in ("bf16", "fp16", "fp32", "fp64")
+        for r in ("sgd", "adam") for t in ("64", "512")}, report
+    # The cases of the state present: stats SGD reads w, g (+ buffer); Adam w, g (+ m, v (+ v_max)).
+    cases = {(k.kind, k.rule, k.lists) for k in kernels}
+    assert {("update_stats", "sgd", "2r"), ("update_stats", "sgd", "3r"), ("update_stats", "adam", "2r"),
+            ("update_stats", "adam", "4r"), ("update_stats", "adam", "5r"), ("update_clip", "adam", "3r1w")} <= cases
+    assert not sass_budget.update_over_budget(kernels), report

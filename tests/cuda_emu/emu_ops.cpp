@@ -30,6 +30,8 @@ struct Emulated {
   static constexpr const char* kUnitScaleOp = "gradfuse_emu.multi_tensor_unit_scale_";
   static constexpr const char* kClampOp = "gradfuse_emu.multi_tensor_clamp_";
   static constexpr const char* kHistOp = "gradfuse_emu.multi_tensor_exponent_histogram";
+  static constexpr const char* kUpdateStatsOp = "gradfuse_emu.multi_tensor_update_stats";
+  static constexpr const char* kUpdateClipOp = "gradfuse_emu.multi_tensor_update_clip_";
   struct Guard {
     explicit Guard(c10::Device) {}
   };
@@ -131,6 +133,14 @@ TORCH_LIBRARY(gradfuse_emu, m) {
   m.def("unit_table_sizes() -> int[]", []() -> std::vector<int64_t> {
     return {gradfuse::cuda::kSmallTableTensors, gradfuse::cuda::kMaxUnitTensorsPerLaunch};
   });
+  // The optimizer-update ops and their (five-list) launch-table sizes.
+  m.def("multi_tensor_update_stats(Tensor[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
+        "Tensor[] moment2_max, Tensor hyper, int rule) -> (Tensor, Tensor)");
+  m.def("multi_tensor_update_clip_(Tensor(a!)[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
+        "Tensor[] moment2_max, Tensor hyper, Tensor coefs, int rule) -> ()");
+  m.def("list_table_sizes() -> int[]", []() -> std::vector<int64_t> {
+    return {gradfuse::cuda::kSmallTableTensors, gradfuse::cuda::kMaxListTensorsPerLaunch};
+  });
 }
 
 TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
@@ -142,4 +152,6 @@ TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_unit_scale_", &gradfuse::cuda::multi_tensor_unit_scale_on<Emulated>);
   m.impl("multi_tensor_clamp_", &gradfuse::cuda::multi_tensor_clamp_on<Emulated>);
   m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::multi_tensor_exponent_histogram_on<Emulated>);
+  m.impl("multi_tensor_update_stats", &gradfuse::cuda::multi_tensor_update_stats_on<Emulated>);
+  m.impl("multi_tensor_update_clip_", &gradfuse::cuda::multi_tensor_update_clip_on<Emulated>);
 }

@@ -38,9 +38,9 @@ BUGS = [
      r"\n\s*__syncthreads\(\);(\n\s*if \(threadIdx\.x == 0\) \{)",
      r"\1",
      False, "test_sizes_and_planted_values and float32-2.0", r"(Mismatched elements|AssertionError: tensor \d+ col).*"),
-    ("divergent shuffle",  # lanes without elements skip the warp reduction
+    ("divergent shuffle",  # the upper half of each warp skips the warp reduction (any row type)
      r"(\n\s*)warp_reduce\(s\);",
-     r"\1if (s.sumsq != 0) warp_reduce(s);",
+     r"\1if (threadIdx.x % 32 < 16) warp_reduce(s);",
      False, "test_sizes_and_planted_values and float32-2.0", r"deadlock .*wait in __shfl_down_sync.*"),
 ]
 
