@@ -8,6 +8,7 @@
 #include "common/chunk_plan.h"
 #include "common/hist_math.h"
 #include "common/stats_math.h"
+#include "common/update_math.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/hist_kernels.h"
 #include "generated/build_config.h"  // written by setup.py
@@ -43,6 +44,19 @@ TORCH_LIBRARY(gradfuse, m) {
   // (float64 only), 280 +Inf, 281 -Inf, 282 NaN. Exponents from the bits; one pass (a second
   // over chunks holding zeros, subnormals or non-finite values); no host synchronisation.
   m.def("multi_tensor_exponent_histogram(Tensor[] tensors) -> Tensor");
+  // The optimizer's side of one (device, dtype) group (common/update_math.h): per tensor, the
+  // statistics of the update that optimizer.step() is about to apply (rule 0 SGD, 1 Adam/AdamW),
+  // from the weights, gradients and state before the step (an empty state tensor is absent), and
+  // the hyper-parameter table hyper (float64 [n, 7], on the device). Rows float64 [n, 4] and int64
+  // [n, 5], columns GRADFUSE_UPDATE_FLOAT_STATS / GRADFUSE_UPDATE_COUNT_STATS then numel. One
+  // pass; no host synchronisation; writes nothing else.
+  m.def("multi_tensor_update_stats(Tensor[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
+        "Tensor[] moment2_max, Tensor hyper, int rule) -> (Tensor, Tensor)");
+  // After optimizer.step(): the update just applied to tensor i, times coefs[i] (float64 [n], on
+  // the device) where that is below 1, formed again from the state the step left; tensors whose
+  // coefficient is not below 1 (NaN included) are not touched (decided on the device).
+  m.def("multi_tensor_update_clip_(Tensor(a!)[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
+        "Tensor[] moment2_max, Tensor hyper, Tensor coefs, int rule) -> ()");
 }
 
 namespace gradfuse::watch {
@@ -69,8 +83,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define GRADFUSE_NAME_OF(column, member, combine) #member,
     for (const char* name : {GRADFUSE_FLOAT_STATS(GRADFUSE_NAME_OF)}) float_stats.append(name);
     for (const char* name : {GRADFUSE_COUNT_STATS(GRADFUSE_NAME_OF) "numel"}) count_stats.append(name);
-#undef GRADFUSE_NAME_OF
     d["stats_layout"] = pybind11::make_tuple(float_stats, count_stats);
+    // The optimizer-update rows' column names, in order (gradfuse/ops/layout.py must agree).
+    pybind11::list update_float, update_count;
+    for (const char* name : {GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_NAME_OF)}) update_float.append(name);
+    for (const char* name : {GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_NAME_OF) "numel"}) update_count.append(name);
+    d["update_stats_layout"] = pybind11::make_tuple(update_float, update_count);
+#undef GRADFUSE_NAME_OF
     d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
 #ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
     d["histogram_avx512"] = gradfuse::cpu::histogram_avx512_available();

@@ -183,7 +183,7 @@ C10_HOST_DEVICE inline UpdateElement<acc_t> update_element(const UpdateParams<ac
     if (h.weight_decay != acc_t(0) && !h.decoupled) g = g + h.weight_decay * w;  // grad.add(param, alpha=wd)
     e.moment1 = lerp_element(m, g, h.one_minus_beta1);
     acc_t v_new = v * h.beta2 + h.one_minus_beta2 * g * g;
-    if (h.amsgrad) v_new = v_max > v_new ? v_max : v_new;  // torch.maximum: NaN from v_new propagates below
+    if (h.amsgrad) v_new = nan_max(v_max, v_new);  // torch.maximum: a NaN on either side propagates
     e.moment2 = v_new;
     e.root = ::sqrt(v_new) / h.bias_correction2_sqrt;
     const acc_t adam = -h.step_size * (e.moment1 / (e.root + h.eps));  // param.addcdiv_(m, denom, value=-step_size)
