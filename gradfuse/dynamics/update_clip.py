@@ -122,12 +122,12 @@ class UpdateClip:
             clip_applied_updates_(got[0], got[1], optimizer)
 
     def counts(self) -> dict[str, int]:
-        """``{"update_clipped": parameter updates rescaled, "update_clipped_steps": steps with
+        """``{"update_clipped_params": parameter updates rescaled, "update_clipped_steps": steps with
         one}`` so far, as ints (reads the device counters: one sync)."""
         if self.clipped is None:
-            return {"update_clipped": 0, "update_clipped_steps": 0}
+            return {"update_clipped_params": 0, "update_clipped_steps": 0}
         n, s = torch.stack([self.clipped.cpu(), self.clipped_steps.cpu()]).tolist()
-        return {"update_clipped": int(n), "update_clipped_steps": int(s)}
+        return {"update_clipped_params": int(n), "update_clipped_steps": int(s)}
 
     def remove(self) -> None:
         """Removes the optimizer hooks: later steps are not clipped."""

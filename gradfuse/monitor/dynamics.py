@@ -68,7 +68,7 @@ class Dynamics:
         self.update_clip: UpdateClip | None = None
         if max_update_rms is not None:
             self.update_clip = UpdateClip(self.update_ratios.optimizers, max_update_rms)
-        self._clip_restored = {"update_clipped": 0, "update_clipped_steps": 0}
+        self._clip_restored = {"update_clipped_params": 0, "update_clipped_steps": 0}
         # An integration that writes records later than the step (the HF Trainer logs after the
         # update) sets this before the step it will log.
         self.capture_next = False
@@ -142,7 +142,7 @@ class Dynamics:
         return out
 
     def counters(self) -> dict[str, int]:
-        """With ``max_update_rms``: ``update_clipped`` (parameter updates rescaled) and
+        """With ``max_update_rms``: ``update_clipped_params`` (parameter updates rescaled) and
         ``update_clipped_steps`` (steps that rescaled one), restored ones included (reads the
         device counters); else empty."""
         if self.update_clip is None:

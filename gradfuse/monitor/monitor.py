@@ -120,8 +120,8 @@ class GradMonitor:
             taken every step (the optimizer of ``update_ratios``, else ``optimizer``), and after
             ``optimizer.step()`` one more pass over the weights, gradients and optimizer state
             rescales the updates above the limit (the optimizer's step hooks). Counters
-            ``update_clipped`` (parameter updates rescaled) and ``update_clipped_steps``; the
-            records get ``update_clipped`` and show the updates as applied (rescaled).
+            ``update_clipped_params`` (parameter updates rescaled) and ``update_clipped_steps``;
+            the records get ``update_clipped`` and show the updates as applied (rescaled).
         activations: also log the statistics of every module's output and of the gradient with
             respect to it (see ``gradfuse.capture_activations``) on the steps that are logged
             (``every``): hooks are registered for those steps only (armed at the end of the step
@@ -593,7 +593,7 @@ class GradMonitor:
             A dict of ints: ``steps`` (steps taken), ``clipped_steps`` (reads a device counter),
                 ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
                 ``amp_overflow_steps``, ``dropped_records``; with ``max_update_rms`` also
-                ``update_clipped``, ``update_clipped_steps``; with ``recorder`` also
+                ``update_clipped_params``, ``update_clipped_steps``; with ``recorder`` also
                 ``spike_steps``, ``dumps``, ``failed_dumps``.
 
         Example:

@@ -130,7 +130,7 @@ def test_clipped_step_equals_the_explicit_rule(config, backend):
                 assert torch.equal(w, unclipped)  # not touched: bit for bit torch's own step
     assert clipped >= 3 and kept >= 3
     n = limit.counts()
-    assert n["update_clipped"] == clipped and 1 <= n["update_clipped_steps"] <= 3
+    assert n["update_clipped_params"] == clipped and 1 <= n["update_clipped_steps"] <= 3
     limit.remove()
 
 
@@ -203,13 +203,13 @@ def test_monitor_limits_counts_and_logs(backend):
     assert r["update_clipped"] == 4  # every parameter of this model moves more than 1e-2 at lr 0.05
     assert all(v <= 1e-2 * (1 + 1e-6) for v in r["update_rms"].values())  # the update as applied
     c = mon.counters()
-    assert c["update_clipped_steps"] == 4 and c["update_clipped"] == 16
+    assert c["update_clipped_steps"] == 4 and c["update_clipped_params"] == 16
     m = metrics(r)
     assert m["grad/update_clipped"] == 4 and m["grad/update_clipped_steps"] == 3  # counters of step 2
     state = mon.state_dict()
     again = gradfuse.GradMonitor(model, update_ratios=opt, max_update_rms=1e-2)
     again.load_state_dict(state)
-    assert again.counters()["update_clipped"] == 16
+    assert again.counters()["update_clipped_params"] == 16
 
 
 def test_monitor_skipped_step_clips_nothing(backend):
@@ -220,7 +220,7 @@ def test_monitor_skipped_step_clips_nothing(backend):
     model.weight.grad[0, 0] = math.nan
     with pytest.warns(RuntimeWarning, match="skipped"):
         assert mon.step().skip
-    assert mon.counters()["update_clipped"] == 0
+    assert mon.counters()["update_clipped_params"] == 0
 
 
 def test_attach_passes_max_update_rms(backend):
