@@ -87,14 +87,15 @@ class UpdateRatios:
     def capture(self, applied: bool = True) -> dict | None:
         """Device tensors of this step, before ``optimizer.step()``: ``names`` and ``rows`` (an
         ``UpdateRows`` over every parameter of the optimizers; those without a gradient have an
-        update of 0), and ``applied``. ``applied=False``: the step will be skipped, the updates
+        update of 0 and come last), ``planned`` (how many rows the step changes: the first ones)
+        and ``applied``. ``applied=False``: the step will be skipped, the updates
         are 0. None when not available or when the optimizers hold no parameter."""
         if self.unavailable:
             return None
         names_of = self._names()
         if not names_of:
             return None
-        rows = plan_updates(self.optimizers)
+        rows = planned_rows = plan_updates(self.optimizers)
         self.passes += 1
         planned = {id(p) for p in rows.params}
         rest = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]
@@ -106,7 +107,8 @@ class UpdateRatios:
             rows = UpdateRows(rows.params + rest, torch.cat([rows.floats.to(device), f]),
                               torch.cat([rows.counts.to(device), c]), rows.adam + [False] * len(rest),
                               rows.moment1 + [False] * len(rest), rows.calls)
-        return {"names": [names_of[id(p)] for p in rows.params], "rows": rows, "applied": applied}
+        return {"names": [names_of[id(p)] for p in rows.params], "rows": rows, "planned": len(planned_rows),
+                "applied": applied}
 
     def layer_table(self, captured: dict) -> tuple[list[str], torch.Tensor]:
         """(layers, float64 ``[len(layers), len(LAYER_FIELDS)]`` on the device): the per-layer

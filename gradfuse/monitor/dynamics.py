@@ -107,18 +107,21 @@ class Dynamics:
             scale = torch.where(coefs < 1, coefs * coefs, torch.ones_like(coefs))
             floats = rows.floats.clone()
             floats[:, UPDATE_SUMSQ] = floats[:, UPDATE_SUMSQ] * scale
-            got = {**got, "planned": rows, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}
+            got = {**got, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}
         self._captured = None if got is None else (report.step, got)
         report.updates = got
 
     def planned_updates(self, report, optimizers):
-        """The ``UpdateRows`` of ``report``'s step over ``optimizers`` (as planned, before any
-        update clipping) when this step took them for the same optimizers, else None."""
+        """The ``UpdateRows`` of ``report``'s step over ``optimizers`` (the parameters the step
+        changes; their updates as applied, after any update clipping) when this step took them
+        for the same optimizers, else None."""
         ur = self.update_ratios
-        got = getattr(report, "updates", None)
+        got = report.updates
         if got is None or ur is None or list(optimizers) != ur.optimizers:
             return None
-        return got.get("planned", got["rows"])
+        rows, n = got["rows"], got["planned"]
+        return dataclasses.replace(rows, params=rows.params[:n], floats=rows.floats[:n], counts=rows.counts[:n],
+                                   adam=rows.adam[:n], moment1=rows.moment1[:n])
 
     def record(self, report) -> dict:
         """The record's additions for ``report``: ``noise_scale`` ({noise_scale, G2, trSigma}, the

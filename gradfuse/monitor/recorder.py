@@ -57,9 +57,10 @@ class FlightRecorder:
       ``skipped`` (1 when a policy skipped the step);
     - per layer (``LAYER_FIELDS``, layers as the monitor's records group parameters):
       ``grad_l2``, ``grad_linf``, ``grad_nonfinite``; with an optimizer ``update_rms``
-      (sqrt(sum u^2 / numel)), ``update_ratio`` (|u| / |w|), ``exp_avg_rms`` and
-      ``exp_avg_sq_rms`` (the RMS of the Adam moments: the state as the step finds it, before
-      this step's update; the second as the RMS of sqrt of its bias-corrected value); with
+      (sqrt(sum u^2 / numel)), ``update_ratio`` (|u| / |w|), ``exp_avg_rms`` (the RMS of the
+      first moment as the step leaves it: Adam's ``exp_avg``, SGD's momentum buffer) and
+      ``exp_avg_sq_rms`` (Adam: the RMS of the bias-corrected root sqrt(v') / sqrt(1 - beta2^t)
+      of the second moment as the step leaves it); with
       ``GradMonitor(activations=True)``, on the steps whose activations are captured,
       ``act_rms`` (the RMS of the layer's module outputs).
 
@@ -68,12 +69,13 @@ class FlightRecorder:
     values per layer field table (``steps x layers x 64`` bytes) plus ``steps x 6`` scalars and
     ``window x 3`` values of spike history; float32 on a device without float64.
 
-    The update is computed as the optimizer will apply it
-    (``gradfuse.dynamics.update_ratio.planned_updates``: SGD, Adam, AdamW), right before
-    ``optimizer.step()``, in temporaries freed right after. It reads the host where that function
-    does: a tensor learning rate, and Adam's step counter (a CPU tensor unless ``capturable``:
-    no wait for the device). The optimizer is ``optimizer``, else the monitor's
-    ``update_ratios`` optimizers, else the one ``gradfuse.attach`` or an integration steps.
+    The update statistics are those of the update the optimizer is about to apply
+    (``gradfuse.dynamics.update_plan``: SGD, Adam, AdamW), taken right before
+    ``optimizer.step()`` by the fused update op: one pass over the weights, the gradients and the
+    optimizer's state, no temporaries, no host read (the pass the monitor's ``update_ratios``
+    takes, when it takes one at that step for the same optimizers, serves both). The optimizer
+    is ``optimizer``, else the monitor's ``update_ratios`` optimizers, else the one
+    ``gradfuse.attach`` or an integration steps.
 
     Spikes: for each of loss, gradient norm and update norm the history is its previous
     ``window`` finite values (of this run, or restored by ``load_state_dict``). With at least

@@ -68,10 +68,11 @@ class StepReport:
             spiked (``"loss"``, ``"grad_norm"``, ``"update_norm"``).
         dump (Path | None): The flight recorder's dump written for this step, or None.
         updates (dict | None): With ``update_ratios``, on the steps that take the optimizer's
-            statistics (logging steps, ``update_every``, ``max_update_rms``): ``names`` and
-            ``rows`` (device tensors, per parameter; ``monitor.dynamics.update_ratios.layers(
-            report.updates)`` reads them per layer), and with ``max_update_rms`` ``coefs``; else
-            None.
+            statistics (logging steps, ``update_every``, ``max_update_rms``, a flight recorder
+            recording updates): ``names``, ``rows`` (an ``UpdateRows`` of device tensors, per
+            parameter, the update as applied; ``monitor.dynamics.update_ratios.layers(
+            report.updates)`` reads them per layer), ``planned`` (the leading rows the step
+            changes), ``applied``, and with ``max_update_rms`` ``coefs``; else None.
 
     Example:
         ```python
