@@ -146,3 +146,66 @@ def test_other_optimizers_say_not_available():
     assert not any(k.startswith("update_ratio/") for k in metrics(logged[0]))
     with pytest.raises(ValueError, match="needs the optimizer"):
         gradfuse.GradMonitor(model, update_ratios=True)
+
+
+@pytest.mark.parametrize("every_step", [False, True])
+def test_record_carries_the_optimizer_statistics_per_layer(every_step):
+    from gradfuse.core.grad_stats import layer_of
+    torch.manual_seed(3)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.05, amsgrad=True)
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    mon = gradfuse.GradMonitor(model, every=2, update_ratios=opt, sinks=[sink],
+                               update_every=1 if every_step else None)
+    x, y = torch.randn(64, 12), torch.randn(64, 3)
+    for step in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        report = mon.step()
+        assert (report.updates is not None) == (every_step or step % 2 == 0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    record = logged[-1]
+    assert record["step"] == 2
+    groups = {}
+    for n, p in model.named_parameters():
+        groups.setdefault(layer_of(n), []).append((n, p))
+    for layer, members in groups.items():
+        numel = sum(p.numel() for _, p in members)
+        u2 = sum(float((p.detach().double() - before[n].double()).square().sum()) for n, p in members)
+        m2 = sum(float(opt.state[p]["exp_avg"].double().square().sum()) for _, p in members)
+        t = float(opt.state[members[0][1]]["step"])
+        roots = [opt.state[p]["max_exp_avg_sq"].double().sqrt() / math.sqrt(1 - 0.999 ** t) for _, p in members]
+        r2 = sum(float(r.square().sum()) for r in roots)
+        dominated = sum(int((r < 0.05).sum()) for r in roots)
+        assert record["update_norm"][layer] == pytest.approx(math.sqrt(u2), rel=1e-5)
+        assert record["update_rms"][layer] == pytest.approx(math.sqrt(u2 / numel), rel=1e-5)
+        assert record["moment1_rms"][layer] == pytest.approx(math.sqrt(m2 / numel), rel=1e-5)
+        assert record["moment2_rms"][layer] == pytest.approx(math.sqrt(r2 / numel), rel=1e-5)
+        assert record["eps_dominated"][layer] == pytest.approx(dominated / numel, abs=1.5 / numel)
+        assert record["update_nonfinite"][layer] == record["moment_nonfinite"][layer] == 0
+        assert record["weight_nonfinite"][layer] == 0
+    assert sum(record["eps_dominated"].values()) > 0  # eps = 0.05 dominates some elements
+    m = metrics(record)
+    for key in ("update_ratio", "weight_norm", "update_norm", "update_rms", "moment1_rms", "moment2_rms",
+                "eps_dominated", "update_nonfinite", "moment_nonfinite", "weight_nonfinite"):
+        assert m[f"{key}/head"] == record[key]["head"]
+    assert mon.config()["update_every"] == (1 if every_step else None)
+
+
+def test_sgd_without_momentum_has_no_moments_in_the_record():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    mon = gradfuse.GradMonitor(model, every=1, update_ratios=opt, sinks=[sink])
+    model(torch.randn(4, 12)).sum().backward()
+    mon.step()
+    r = logged[0]
+    assert r["moment1_rms"] == r["moment2_rms"] == r["eps_dominated"] == {}
+    assert set(r["update_rms"]) == {"layers.0", "layers.1", "head"}
+    with pytest.raises(ValueError, match="update_every"):
+        gradfuse.GradMonitor(model, update_every=1)
+    with pytest.raises(ValueError, match="update_every"):
+        gradfuse.GradMonitor(model, update_ratios=opt, update_every=0)
