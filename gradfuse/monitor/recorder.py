@@ -101,8 +101,8 @@ class FlightRecorder:
         record_updates: Record the optimizer's update statistics (when an optimizer is known): the
             update norm and its spikes, per layer the update RMS and ratio and the moments' RMS.
             Off by default: it is one fused pass over the weights, the gradients and the
-            optimizer's state every step (no temporaries; for AdamW about twice the bytes the
-            monitor's own gradient pass reads), where the rest of the recorder costs 0.02% of a
+            optimizer's state every step (no temporaries; for AdamW the weight, the gradient and
+            the two moments are read once each), where the rest of the recorder costs 0.02% of a
             GPT-2 small CPU step (``benchmarks/recorder_cost.py`` measures both). With
             ``update_ratios`` on the monitor the pass is shared.
         optimizer: The optimizer (or a list) whose updates are recorded.
