@@ -5,6 +5,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -32,22 +34,18 @@ UpdateKernels update_kernels_for(const std::string& isa) {
 // Below this many bytes per thread a call runs on the calling thread (as the stats op).
 constexpr int64_t kMinBytesPerThread = 1 << 20;
 
-// Checks that entry i of `list` is a tensor like params[i]: same shape, dtype and device,
-// contiguous. `may_be_absent`: an empty tensor (numel 0) stands for a missing state.
-void check_like_param(at::TensorList list, const char* name, at::TensorList params, size_t i, bool may_be_absent,
-                      const char* op) {
-  const at::Tensor& t = list[i];
-  const at::Tensor& p = params[i];
-  TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
-  if (may_be_absent && t.numel() == 0) return;
-  const bool ok = t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
-                  t.device() == p.device() && t.is_contiguous();
-  TORCH_CHECK(ok, op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
-              " and dtype ", p.scalar_type(), ", got shape ", t.sizes(), ", dtype ", t.scalar_type(), ", device ",
-              t.device(), t.layout() == at::kStrided && !t.is_contiguous() ? ", not contiguous" : "");
+// "shape [4, 5], dtype Float on cpu[, not contiguous][, layout ...]", as the reference
+// (gradfuse/ops/reference.py) describes a tensor in its messages.
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape " << t.sizes() << ", dtype " << t.scalar_type() << " on " << t.device();
+  if (t.layout() == at::kStrided && !t.is_contiguous()) os << ", not contiguous";
+  if (t.layout() != at::kStrided) os << ", layout " << t.layout();
+  return os.str();
 }
 
-// The checks of both ops; returns the chunk plan's spans of each list.
+// The checks of both ops (in the reference's order, with its messages); the spans of each list
+// (absent or empty tensors: {nullptr, 0}) and the chunk plan of the parameters.
 struct UpdateGroup {
   std::vector<Span> params, grads, moment1, moment2, moment2_max;
   ChunkPlan plan;
@@ -57,47 +55,44 @@ struct UpdateGroup {
 UpdateGroup check_update_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
                               at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
                               int64_t rule, const char* op) {
+  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam),
+              op, ": rule must be 0 (SGD) or 1 (Adam, AdamW), got ", rule);
   const size_t n = params.size();
   const std::pair<const char*, at::TensorList> lists[] = {
       {"grads", grads}, {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
   for (const auto& [name, list] : lists) {
-    TORCH_CHECK(list.size() == n, op, ": expected ", n, " ", name, " (one per params), got ", list.size());
+    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
   }
-  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam),
-              op, ": rule must be 0 (SGD) or 1 (Adam), got ", rule);
-  const auto device = n ? params[0].device() : c10::Device(c10::DeviceType::CPU);
-  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
-                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
-              op, ": hyper must be a contiguous float64 tensor of shape [", n, ", ", static_cast<int>(kNumHyper),
-              "] on ", device, ", got shape ", hyper.sizes(), ", dtype ", hyper.scalar_type(), ", device ",
-              hyper.device(), hyper.is_contiguous() ? "" : ", not contiguous");
-  UpdateGroup g;
-  if (n == 0) {
-    g.plan = make_chunk_plan(g.params);
-    return g;
-  }
-  const at::Tensor& first = params[0];
+  const auto device = n ? params[0].device() : hyper.device();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
-    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.device().type() == c10::DeviceType::CPU,
-                op, ": params[", i, "] must be a dense float16, bfloat16, float32 or float64 CPU tensor, got ",
-                p.layout(), " ", p.scalar_type(), " on ", p.device());
-    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(), op, ": params[", i,
-                "] is ", p.scalar_type(), " on ", p.device(), " but params[0] is ", first.scalar_type(), " on ",
-                first.device(), "; call once per (device, dtype) group");
-    TORCH_CHECK(p.is_contiguous(), op, ": params[", i, "] must be contiguous, got strides ", p.strides(),
-                " for shape ", p.sizes());
-    check_like_param(grads, "grads", params, i, false, op);
-    check_like_param(moment1, "moment1", params, i, true, op);
-    check_like_param(moment2, "moment2", params, i, true, op);
-    check_like_param(moment2_max, "moment2_max", params, i, true, op);
+    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.is_contiguous(), op,
+                ": params[", i, "] must be a dense contiguous float16, bfloat16, float32 or float64 tensor, got ",
+                describe(p));
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type() && p.device() == device, op, ": params[", i, "] is ",
+                p.scalar_type(), " on ", p.device(), " but params[0] is ", params[0].scalar_type(), " on ", device);
+    for (size_t k = 0; k < 4; ++k) {
+      const auto& [name, list] = lists[k];
+      const bool may_be_absent = k > 0;
+      const at::Tensor& t = list[i];
+      if (may_be_absent && t.numel() == 0 && t.layout() == at::kStrided) continue;
+      TORCH_CHECK(t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
+                      t.device() == p.device() && t.is_contiguous(),
+                  op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
+                  " and dtype ", p.scalar_type(), " on ", p.device(), may_be_absent ? " (or empty: absent)" : "",
+                  ", got ", describe(t));
+    }
   }
+  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
+                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
+              op, ": hyper must be a contiguous float64 [", n, ", ", static_cast<int>(kNumHyper), "] tensor on ",
+              device, ", got ", describe(hyper));
+  UpdateGroup g;
+  const int64_t elem = n ? static_cast<int64_t>(c10::elementSize(params[0].scalar_type())) : 0;
   const auto span_of = [](const at::Tensor& t) {
     return t.numel() > 0 ? Span{t.data_ptr(), t.numel()} : Span{nullptr, 0};
   };
   for (auto* v : {&g.params, &g.grads, &g.moment1, &g.moment2, &g.moment2_max}) v->reserve(n);
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(first.scalar_type()));
   for (size_t i = 0; i < n; ++i) {
     g.params.push_back(span_of(params[i]));
     g.grads.push_back(span_of(grads[i]));
@@ -118,10 +113,31 @@ UpdateArgs update_args(const UpdateGroup& g, const at::Tensor& hyper, at::Scalar
           dtype, static_cast<UpdateRule>(rule)};
 }
 
-// Chunks per task such that each gets at least kMinBytesPerThread.
-int64_t grain_of(const UpdateGroup& g) {
+// Bytes per block of chunks that a thread takes at a time.
+constexpr int64_t kBlockBytes = 4 << 20;
+
+// Calls f(begin, end) over every chunk of the plan, once per chunk. A small call runs on the
+// calling thread; otherwise the chunks are cut into blocks of about kBlockBytes, which the threads
+// take in turn from a shared counter (as the stats op: on a shared machine a descheduled thread
+// holding a fixed half of the call would hold up the whole call). Each chunk writes its own
+// partial row or weights, so the results depend neither on the thread count nor on the order.
+template <typename F>
+void for_chunks(const UpdateGroup& g, F&& f) {
   const int64_t chunks = g.plan.num_chunks();
-  return std::max<int64_t>(1, (chunks * kMinBytesPerThread + g.bytes - 1) / std::max<int64_t>(g.bytes, 1));
+  const int64_t bytes = std::max<int64_t>(g.bytes, 1);
+  const int64_t block = std::max<int64_t>(1, (chunks * kBlockBytes + bytes - 1) / bytes);
+  const int64_t num_blocks = (chunks + block - 1) / block;
+  if (g.bytes < 2 * kMinBytesPerThread || num_blocks <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    if (chunks > 0) f(int64_t{0}, chunks);
+    return;
+  }
+  std::atomic<int64_t> next_block{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next_block.fetch_add(1); b < num_blocks; b = next_block.fetch_add(1)) {
+      f(b * block, std::min(chunks, (b + 1) * block));
+    }
+  });
 }
 
 template <typename acc_t>
@@ -157,9 +173,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_update_stats_cpu(at::TensorList 
   const auto kern = update_kernels_for(active_cpu_capability());
   void* fp = part_f.data_ptr();
   int64_t* cp = part_c.data_ptr<int64_t>();
-  at::parallel_for(0, num_chunks, grain_of(g), [&](int64_t begin, int64_t end) {
-    kern.stats(args, begin, end, fp, cp);
-  });
+  for_chunks(g, [&](int64_t begin, int64_t end) { kern.stats(args, begin, end, fp, cp); });
   if (dtype == at::kDouble) {
     finalize_update_rows(g, part_f.const_data_ptr<double>(), cp, out_f.data_ptr<double>(), out_c.data_ptr<int64_t>());
   } else {
@@ -174,20 +188,16 @@ void multi_tensor_update_clip_cpu(at::TensorList params, at::TensorList grads, a
   constexpr const char* kOp = "multi_tensor_update_clip_";
   const UpdateGroup g = check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, kOp);
   const auto n = static_cast<int64_t>(params.size());
-  const auto device = n ? params[0].device() : c10::Device(c10::DeviceType::CPU);
-  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n &&
-                  coefs.device() == device && coefs.is_contiguous(),
-              kOp, ": coefs must be a contiguous float64 tensor of shape [", n, "] on ", device, ", got shape ",
-              coefs.sizes(), ", dtype ", coefs.scalar_type(), ", device ", coefs.device(),
-              coefs.is_contiguous() ? "" : ", not contiguous");
+  const auto device = n ? params[0].device() : hyper.device();
+  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n && coefs.device() == device,
+              kOp, ": coefs must be a float64 [", n, "] tensor on ", device, ", got ", describe(coefs));
   if (n == 0 || g.plan.num_chunks() == 0) return;
   const auto dtype = params[0].scalar_type();
   const UpdateArgs args = update_args(g, hyper, dtype, rule);
   const auto kern = update_kernels_for(active_cpu_capability());
-  const double* c = coefs.const_data_ptr<double>();
-  at::parallel_for(0, g.plan.num_chunks(), grain_of(g), [&](int64_t begin, int64_t end) {
-    kern.clip(args, c, begin, end);
-  });
+  const at::Tensor coefs_dense = coefs.contiguous();
+  const double* c = coefs_dense.const_data_ptr<double>();
+  for_chunks(g, [&](int64_t begin, int64_t end) { kern.clip(args, c, begin, end); });
 }
 
 }  // namespace

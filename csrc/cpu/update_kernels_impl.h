@@ -14,9 +14,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include "../common/chunk_plan.h"
 #include "../common/update_math.h"
@@ -49,6 +54,27 @@ inline void load_step(const scalar_t* x, Vectorized<update_acc_of<scalar_t>>& lo
     static_assert(kUpdateStep<scalar_t> == Vectorized<scalar_t>::size());
     at::vec::load_to_float<scalar_t>(x, lo, hi);
   }
+}
+
+// load_step for the stats kernel, which pairs the elements of its arrays lane by lane but does
+// not depend on their order: on AVX2 a bfloat16 vector widens by interleaving with zeros (2
+// operations where load_to_float takes 5; the lanes then hold the elements in another order, the
+// same for every array, as in the stats kernels' widen16).
+template <typename scalar_t>
+inline void load_step_any_order(const scalar_t* x, Vectorized<update_acc_of<scalar_t>>& lo,
+                                Vectorized<update_acc_of<scalar_t>>& hi) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (x != nullptr) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i z = _mm256_setzero_si256();
+      lo = Vectorized<float>(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)));
+      hi = Vectorized<float>(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v)));
+      return;
+    }
+  }
+#endif
+  load_step(x, lo, hi);
 }
 
 // Rounds two acc_t vectors to scalar_t into x[0, kUpdateStep).
@@ -156,20 +182,20 @@ inline int64_t lane_count(const Vectorized<acc_t>& v) {
   return t;
 }
 
-// The partial row of one chunk of the stats op. m, v, v_max: null where absent.
-template <typename scalar_t, UpdateRule rule>
-UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_acc_of<scalar_t>>& h,
-                                                      const scalar_t* w, const scalar_t* g, const scalar_t* m,
-                                                      const scalar_t* v, const scalar_t* v_max, int64_t n) {
+// The vector part of one chunk of the stats op: its first elements, a multiple of kUpdateStep,
+// into s; returns how many. kCounts: also the non-finite counts. Without them (the first pass)
+// those counts are 0, which holds where the sums of squares come out finite: a NaN or Inf update,
+// weight or moment (root: sqrt(v') / sqrt(1 - beta2^t) >= sqrt(v')) makes its sum of squares NaN
+// or Inf (every square is >= 0), as in the stats op's two passes (stats_math.h).
+template <typename scalar_t, UpdateRule rule, bool kCounts>
+int64_t update_stats_vectors(const UpdateParams<update_acc_of<scalar_t>>& h, const scalar_t* w, const scalar_t* g,
+                             const scalar_t* m, const scalar_t* v, const scalar_t* v_max, int64_t n,
+                             bool has_buffer, UpdateAcc<update_acc_of<scalar_t>>& s) {
   using acc_t = update_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kUpdateStep<scalar_t>;
   constexpr int kRun = 32;
   static_assert(kChunkElems / Vectorized<acc_t>::size() < (1 << 24), "lane counts must stay exact");
-  const bool has_buffer = m != nullptr;
-  if (rule == UpdateRule::kSGD && h.beta1 == acc_t(0)) m = nullptr;  // not read
-  if (!h.amsgrad) v_max = nullptr;  // not read
-  if (rule == UpdateRule::kSGD) v = v_max = nullptr;
   const VecParams<acc_t> p(h);
   const VA zeros(acc_t(0)), inf(std::numeric_limits<acc_t>::infinity()), eps(h.eps);
   const VecSumSq<acc_t> no_sums{zeros, zeros, zeros, zeros};
@@ -181,35 +207,58 @@ UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_
     run.weight = run.weight + wv * wv;
     run.moment1 = run.moment1 + e.moment1 * e.moment1;
     run.moment2 = run.moment2 + e.root * e.root;
-    update_finite = update_finite + e.update.abs().lt(inf);
-    weight_finite = weight_finite + wv.abs().lt(inf);
-    moment_finite = moment_finite + (e.moment1 + e.moment2).abs().lt(inf);
+    if constexpr (kCounts) {
+      update_finite = update_finite + e.update.abs().lt(inf);
+      weight_finite = weight_finite + wv.abs().lt(inf);
+      moment_finite = moment_finite + (e.moment1 + e.moment2).abs().lt(inf);
+    }
     if constexpr (rule == UpdateRule::kAdam) eps_dominated = eps_dominated + e.root.lt(eps);
   };
   int64_t i = 0;
   while (n - i >= kStep) {
     for (int k = 0; k < kRun && n - i >= kStep; ++k, i += kStep) {
       VA w_lo, w_hi, g_lo, g_hi, m_lo, m_hi, v_lo, v_hi, x_lo, x_hi;
-      load_step(w + i, w_lo, w_hi);
-      load_step(g + i, g_lo, g_hi);
-      load_step(m ? m + i : nullptr, m_lo, m_hi);
-      load_step(v ? v + i : nullptr, v_lo, v_hi);
-      load_step(v_max ? v_max + i : nullptr, x_lo, x_hi);
+      load_step_any_order(w + i, w_lo, w_hi);
+      load_step_any_order(g + i, g_lo, g_hi);
+      load_step_any_order(m ? m + i : nullptr, m_lo, m_hi);
+      load_step_any_order(v ? v + i : nullptr, v_lo, v_hi);
+      load_step_any_order(v_max ? v_max + i : nullptr, x_lo, x_hi);
       add(w_lo, vec_update_element<rule>(h, p, w_lo, g_lo, m_lo, v_lo, x_lo, has_buffer));
       add(w_hi, vec_update_element<rule>(h, p, w_hi, g_hi, m_hi, v_hi, x_hi, has_buffer));
     }
     top.add(run);
     run = no_sums;
   }
-  UpdateAcc<acc_t> s;
+  s = UpdateAcc<acc_t>{};
   s.update_sumsq = lane_sum(top.update);
   s.weight_sumsq = lane_sum(top.weight);
   s.moment1_sumsq = lane_sum(top.moment1);
   s.moment2_sumsq = lane_sum(top.moment2);
-  s.update_nonfinite = i - lane_count(update_finite);
-  s.weight_nonfinite = i - lane_count(weight_finite);
-  s.moment_nonfinite = i - lane_count(moment_finite);
+  if constexpr (kCounts) {
+    s.update_nonfinite = i - lane_count(update_finite);
+    s.weight_nonfinite = i - lane_count(weight_finite);
+    s.moment_nonfinite = i - lane_count(moment_finite);
+  }
   s.eps_dominated = lane_count(eps_dominated);
+  return i;
+}
+
+// The partial row of one chunk of the stats op. m, v, v_max: null where absent.
+template <typename scalar_t, UpdateRule rule>
+UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_acc_of<scalar_t>>& h,
+                                                      const scalar_t* w, const scalar_t* g, const scalar_t* m,
+                                                      const scalar_t* v, const scalar_t* v_max, int64_t n) {
+  using acc_t = update_acc_of<scalar_t>;
+  const bool has_buffer = m != nullptr;
+  if (rule == UpdateRule::kSGD && h.beta1 == acc_t(0)) m = nullptr;  // not read
+  if (!h.amsgrad) v_max = nullptr;  // not read
+  if (rule == UpdateRule::kSGD) v = v_max = nullptr;
+  UpdateAcc<acc_t> s;
+  int64_t i = update_stats_vectors<scalar_t, rule, false>(h, w, g, m, v, v_max, n, has_buffer, s);
+  if (!(std::isfinite(s.update_sumsq) && std::isfinite(s.weight_sumsq) && std::isfinite(s.moment1_sumsq) &&
+        std::isfinite(s.moment2_sumsq))) {
+    i = update_stats_vectors<scalar_t, rule, true>(h, w, g, m, v, v_max, n, has_buffer, s);  // pass 2
+  }
   UpdateElementAcc<acc_t> tail;
   for (; i < n; ++i) {
     const acc_t wi = static_cast<acc_t>(w[i]);

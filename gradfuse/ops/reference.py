@@ -454,7 +454,8 @@ def _update_element(h: _UpdateParams, w, g, m, v, v_max, has_buffer: bool):
         g = torch.where((h.weight_decay != 0) & ~h.decoupled, g + h.weight_decay * w, g)
         moment1 = _lerp(m, g, h.one_minus_beta1)
         v_new = v * h.beta2 + h.one_minus_beta2 * g * g
-        v_new = torch.where(h.amsgrad, torch.where(v_max > v_new, v_max, v_new), v_new)
+        # torch.maximum: a NaN on either side propagates
+        v_new = torch.where(h.amsgrad, torch.where((v_max > v_new) | v_max.isnan(), v_max, v_new), v_new)
         root = torch.sqrt(v_new) / h.bias_correction2_sqrt
         adam = -h.step_size * (moment1 / (root + h.eps))
         update = torch.where(h.decoupled, (w * h.decay_factor - w) + adam, adam)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C n
 
 OPS = ["multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats",
        "multi_tensor_unit_scale_",
-       "multi_tensor_clamp_", "multi_tensor_exponent_histogram"]
+       "multi_tensor_clamp_", "multi_tensor_exponent_histogram", "multi_tensor_update_stats",
+       "multi_tensor_update_clip_"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 # (rows, cols) of each tensor of a case; the unit ops cut tensor i into `rows` units.
@@ -65,7 +66,38 @@ def op_args(name, tensors, device):
         return [(clones, 0.5), ([t.clone() for t in tensors], 0.0)]
     if name in ("multi_tensor_exponent_histogram", "multi_tensor_moments"):
         return [(tensors,)]
+    if name in ("multi_tensor_update_stats", "multi_tensor_update_clip_"):
+        return update_op_args(name, tensors, device)
     raise AssertionError(name)
+
+
+def update_op_args(name, tensors, device):
+    """Calls of the optimizer-update ops, with `tensors` as the weights or the gradients and the
+    state drawn alike (second moments >= 0), some of it absent (empty). An infinite weight or
+    gradient goes only where the update stays free of NaN (which opcheck would read as a mismatch):
+    plain SGD, AdamW's decay not applied to it."""
+    g = torch.Generator().manual_seed(len(tensors))
+    like = [(torch.randn(t.shape, generator=g, dtype=torch.float64) * 0.5).to(t.dtype).to(device) for t in tensors]
+    pos = [x.abs() * 0.1 for x in like]
+    absent = [t.new_empty(0) for t in tensors]
+    n = len(tensors)
+    finite = all(bool(t.isfinite().all()) for t in tensors)
+
+    def hyper(rows):
+        return torch.tensor([rows[i % len(rows)] for i in range(n)], dtype=torch.float64, device=device).reshape(n, 7)
+
+    adamw = hyper([[1e-3, 1e-2, 0.9, 0.999, 1e-8, 3.0, 4.0], [1e-3, 1e-2, 0.9, 0.999, 1e-8, 3.0, 12.0]])
+    adam = hyper([[1e-3, 0.0, 0.9, 0.999, 1e-8, 3.0, 4.0]])
+    sgd = hyper([[0.1, 1e-2, 0.9, 0.1, 0.0, 0.0, 0.0], [0.1, 1e-2, 0.9, 0.0, 0.0, 0.0, 2.0]])
+    plain_sgd = hyper([[0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    if name == "multi_tensor_update_stats":
+        return [(like, like, [x.clone() for x in like], pos, [x * 2 for x in pos], adamw, 1),
+                (tensors, like, absent, absent, absent, adamw if finite else plain_sgd, 1 if finite else 0),
+                (like, tensors, [x.clone() for x in like], absent, absent, sgd, 0)]
+    coefs = torch.linspace(0.25, 1.5, n, dtype=torch.float64, device=device)
+    return [([t.clone() for t in tensors], like, [x.clone() for x in like], pos, [x * 2 for x in pos],
+             adamw if finite else adam, coefs, 1),
+            ([x.clone() for x in like], like, like, absent, absent, sgd, coefs, 0)]
 
 
 def test_every_op_of_the_library_is_checked():
