@@ -9,7 +9,7 @@ parameter (``gradfuse.dynamics.update_plan``), ``c`` is computed on the device; 
 ``w_before`` again from the weight, the gradient and the state the step left. A parameter whose
 ``c`` is not below 1 is not touched. Cost: the pre-step pass (shared with the update statistics
 when those are taken) and, after the step, one more pass over the weights, gradients and
-optimizer state of each group (a parameter not clipped is read there but not written).
+optimizer state of each group (a parameter not clipped is left alone: the op does not write it).
 
 The optimizer's step hooks (``register_step_pre_hook`` / ``register_step_post_hook``) carry it:
 it works with any loop that calls ``optimizer.step()``, including ``GradScaler.step`` (a step the
