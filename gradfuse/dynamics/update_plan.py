@@ -194,6 +194,9 @@ class UpdateRows:
         counts (torch.Tensor): int64 ``[n, NUM_UPDATE_COUNT_STATS]`` (``UPDATE_COUNT_COLUMNS``).
         adam (list[bool]): Whether each row's optimizer is Adam / AdamW (second moment, eps).
         moment1 (list[bool]): Whether each row has a first moment (Adam, SGD with momentum).
+        calls (list): The op calls that took the rows (optimizer, parameter group, sharding
+            layout, device and dtype, with their hyper table): ``clip_applied_updates_`` makes the
+            same calls after the step.
     """
     params: list = field(default_factory=list)
     floats: torch.Tensor | None = None
