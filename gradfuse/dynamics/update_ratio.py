@@ -1,24 +1,16 @@
-"""Update-to-weight ratios per layer: |w_after - w_before| / |w_before|, and the weight norms.
+"""Update-to-weight ratios and the optimizer's statistics per layer: |w_after - w_before| / |w_before|,
+the weight and update norms, the update's RMS, the RMS of the optimizer's moments, the fraction of
+Adam's elements whose denominator is mostly ``eps``, and non-finite counts.
 
 Taken right before ``optimizer.step()`` (where the monitor runs), from what the step is about to
-apply: the gradients after clipping, the optimizer's hyper-parameters and its state. The formulas
-are torch's own (``torch/optim/sgd.py``, ``adam.py``), so the result equals the applied update
-within float rounding (its fp32/bf16 rounding when added to the weights):
+apply: the gradients after clipping, the optimizer's hyper-parameters and its state, by the fused
+update op (``gradfuse.dynamics.update_plan``, torch's own formulas), so the result equals the
+applied update within float rounding. SGD, Adam, AdamW (and their subclasses); other optimizers:
+"not available", said once.
 
-- SGD: ``d = g + wd * w`` (``g = -grad`` with ``maximize``); with momentum
-  ``buf' = d`` on the first step else ``momentum * buf + (1 - dampening) * d``, and
-  ``d = d + momentum * buf'`` (nesterov) or ``d = buf'``; update ``-lr * d``.
-- Adam / AdamW: ``t = step + 1``, ``g`` as above (plus ``wd * w`` for Adam's L2 weight decay),
-  ``m' = beta1 m + (1 - beta1) g``, ``v' = beta2 v + (1 - beta2) g^2`` (amsgrad: ``max(v_max, v')``),
-  update ``-lr / (1 - beta1^t) * m' / (sqrt(v') / sqrt(1 - beta2^t) + eps)``, minus
-  ``lr * wd * w`` for decoupled weight decay (AdamW, or ``Adam(decoupled_weight_decay=True)``).
-
-Subclasses of these are taken to apply their base class's update (e.g. one that records
-something and calls ``super().step()``). Other optimizers: "not available", said once.
-
-Cost, on logging steps only: two fused stats passes (the weights, the updates), plus the
-elementwise work that forms the updates (``torch._foreach_*``: none beyond the update itself for
-plain SGD, a handful of foreach ops for momentum and Adam) in temporaries freed right after.
+Cost: one fused pass over the weights, the gradients and the optimizer's state per (device,
+dtype) group of each parameter group, no temporaries (plus one stats pass over the weights of
+parameters without a gradient, where there are any).
 """
 from __future__ import annotations
 
@@ -28,121 +20,48 @@ import torch
 
 from gradfuse.core.engine import fused_stats
 from gradfuse.core.layers import layer_of
-from gradfuse.ops.layout import SUMSQ
+from gradfuse.dynamics.update_plan import (
+    LAYER_FIELDS,
+    SUPPORTED,
+    UpdateRows,
+    layer_values,
+    plan_updates,
+    unavailable_reason,
+)
+from gradfuse.ops.layout import (
+    INF,
+    NAN,
+    NUM_UPDATE_COUNT_STATS,
+    NUM_UPDATE_FLOAT_STATS,
+    NUMEL,
+    SUMSQ,
+    UPDATE_NUMEL,
+    WEIGHT_NONFINITE,
+    WEIGHT_SUMSQ,
+)
 
-SUPPORTED = ("SGD", "Adam", "AdamW")
+__all__ = ["LAYER_FIELDS", "SUPPORTED", "UpdateRatios", "unavailable_reason"]
 
-
-def unavailable_reason(optimizer) -> str | None:
-    """None when the update of ``optimizer`` can be computed, else why not."""
-    kind = type(optimizer)
-    # AdamW is listed on its own: before torch 2.7 it is not a subclass of Adam (torch 2.6's
-    # adamw.py is its own class, with the same update as Adam's plus decoupled weight decay).
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
-        return (f"update ratios are not available for {kind.__name__}: gradfuse computes the update from "
-                f"the optimizer's state for {', '.join(SUPPORTED)} only")
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.is_complex() or (p.grad is not None and p.grad.is_sparse):
-                return "update ratios are not available for complex parameters or sparse gradients"
-    return None
-
-
-def _scalar(x) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def _sgd_updates(group: dict, state: dict, params, grads) -> list[torch.Tensor]:
-    lr, wd = _scalar(group["lr"]), _scalar(group["weight_decay"])
-    momentum, dampening = _scalar(group["momentum"]), _scalar(group["dampening"])
-    if group.get("maximize", False):
-        grads = torch._foreach_neg(grads)
-    d = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else list(grads)
-    if momentum != 0:
-        bufs = [state.get(p, {}).get("momentum_buffer") for p in params]
-        if all(b is not None for b in bufs):  # one foreach op each, not one op per tensor
-            new = torch._foreach_mul(bufs, momentum)
-            torch._foreach_add_(new, d, alpha=1 - dampening)
-        else:  # the first step: the buffer starts as the gradient
-            new = [di.clone() if b is None else b.mul(momentum).add_(di, alpha=1 - dampening)
-                   for b, di in zip(bufs, d)]
-        d = torch._foreach_add(d, new, alpha=momentum) if group.get("nesterov", False) else new
-    return list(torch._foreach_mul(d, -lr))
+# The per-layer values that are counts (ints in a record).
+COUNT_FIELDS = ("update_nonfinite", "moment_nonfinite", "weight_nonfinite")
 
 
-def _adam_updates(group: dict, state: dict, params, grads, decoupled_default: bool) -> list[torch.Tensor]:
-    lr, wd, eps = _scalar(group["lr"]), _scalar(group["weight_decay"]), _scalar(group["eps"])
-    beta1, beta2 = (_scalar(b) for b in group["betas"])
-    decoupled = group.get("decoupled_weight_decay", decoupled_default)
-    if group.get("maximize", False):
-        grads = torch._foreach_neg(grads)
-    if wd != 0 and not decoupled:
-        grads = torch._foreach_add(grads, params, alpha=wd)
-    states = [state.get(p, {}) for p in params]
-    steps = [(_scalar(st["step"]) if "step" in st else 0.0) + 1.0 for st in states]
-    if all("exp_avg" in st and "exp_avg_sq" in st for st in states):  # foreach: a few ops in all
-        m = torch._foreach_lerp([st["exp_avg"] for st in states], grads, 1 - beta1)
-        v = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-    else:  # the first step: moments start at zero
-        m = [g.mul(1 - beta1) if "exp_avg" not in st else st["exp_avg"].lerp(g, 1 - beta1)
-             for st, g in zip(states, grads)]
-        v = [g.square().mul_(1 - beta2) if "exp_avg_sq" not in st
-             else st["exp_avg_sq"].mul(beta2).addcmul_(g, g, value=1 - beta2) for st, g in zip(states, grads)]
-    m, v = list(m), list(v)
-    if group.get("amsgrad", False):
-        for i, st in enumerate(states):
-            if st.get("max_exp_avg_sq") is not None:
-                v[i] = torch.maximum(st["max_exp_avg_sq"], v[i])
-    torch._foreach_sqrt_(v)
-    torch._foreach_div_(v, [math.sqrt(1 - beta2 ** t) for t in steps])
-    torch._foreach_add_(v, eps)
-    torch._foreach_div_(m, v)
-    torch._foreach_mul_(m, [-lr / (1 - beta1 ** t) for t in steps])
-    if wd != 0 and decoupled:
-        torch._foreach_add_(m, params, alpha=-lr * wd)
-    return m
-
-
-def planned_updates(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(parameter, update)`` for every parameter ``optimizer.step()`` will change now (those
-    with a gradient), the update computed as the step computes it (module docstring). Raises
-    ``NotImplementedError`` for optimizers it does not know (``unavailable_reason``)."""
-    reason = unavailable_reason(optimizer)
-    if reason:
-        raise NotImplementedError(reason)
-    out = []
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            if isinstance(optimizer, torch.optim.SGD):
-                ups = _sgd_updates(group, optimizer.state, params, grads)
-            else:
-                ups = _adam_updates(group, optimizer.state, params, grads,
-                                    isinstance(optimizer, torch.optim.AdamW))
-            out.extend(zip(params, ups))
-    return out
-
-
-def _sumsq_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor sum of squares (float64, on the first tensor's device): one fused stats pass per
-    (device, dtype) group, in the order of ``tensors``."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64)
-    keys = [str(i) for i in range(len(tensors))]
-    s = fused_stats(keys, [t.detach() for t in tensors], 2.0, what="tensor", elementwise_zero_norm=True)
-    sumsq = s.floats[:, SUMSQ]
-    if s.names != keys:  # several (device, dtype) groups: rows come group by group
-        order = torch.tensor([int(n) for n in s.names], device=sumsq.device)
-        sumsq = torch.empty_like(sumsq).index_copy_(0, order, sumsq)
-    return sumsq.to(tensors[0].device)
+def _weights_only(params: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of parameters the step leaves alone (no gradient): the weight's sum of squares and
+    non-finite count, an update of 0 (one fused stats pass)."""
+    keys = [str(i) for i in range(len(params))]
+    s = fused_stats(keys, [p.detach() for p in params], 2.0, what="tensor", elementwise_zero_norm=True)
+    order = torch.tensor([int(n) for n in s.names], device=s.floats.device)
+    floats = torch.zeros((len(params), NUM_UPDATE_FLOAT_STATS), dtype=torch.float64, device=s.floats.device)
+    counts = torch.zeros((len(params), NUM_UPDATE_COUNT_STATS), dtype=torch.int64, device=s.floats.device)
+    floats[order, WEIGHT_SUMSQ] = s.floats[:, SUMSQ].to(torch.float64)
+    counts[order, WEIGHT_NONFINITE] = s.counts[:, NAN] + s.counts[:, INF]
+    counts[order, UPDATE_NUMEL] = s.counts[:, NUMEL]
+    return floats.to(device), counts.to(device)
 
 
 class UpdateRatios:
-    """Per-layer update and weight norms of the parameters of ``optimizers``, named through
+    """Per-layer update and weight statistics of the parameters of ``optimizers``, named through
     ``names_by_param`` (id -> name; others ``group{g}.{i}``) and grouped into layers as
     ``GradStats.layers`` groups them (``layer_depth``)."""
 
@@ -153,58 +72,78 @@ class UpdateRatios:
         self.names_by_param = dict(names_by_param or {})
         reasons = [r for r in (unavailable_reason(o) for o in self.optimizers) if r]
         self.unavailable = reasons[0] if reasons else None
-        self.passes = 0  # fused stats passes taken (2 per capture)
+        self.passes = 0  # captures taken (one fused update pass per group each)
 
-    def _name(self, k: int, g: int, i: int, p) -> str:
-        prefix = f"opt{k}." if len(self.optimizers) > 1 else ""
-        return self.names_by_param.get(id(p)) or f"{prefix}group{g}.{i}"
-
-    def capture(self, applied: bool = True) -> dict | None:
-        """Device tensors of this step, before ``optimizer.step()``: ``names``, per parameter
-        ``weight_sumsq`` and ``update_sumsq`` (float64). ``applied=False``: the step will be
-        skipped, the updates are 0. None when not available."""
-        if self.unavailable:
-            return None
-        names, weights, seen = [], [], set()
-        index = {}
+    def _names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
         for k, opt in enumerate(self.optimizers):
+            prefix = f"opt{k}." if len(self.optimizers) > 1 else ""
             for g, group in enumerate(opt.param_groups):
                 for i, p in enumerate(group["params"]):
-                    if id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                    index[id(p)] = len(names)
-                    names.append(self._name(k, g, i, p))
-                    weights.append(p.detach())
-        if not weights:
+                    if id(p) not in names:
+                        names[id(p)] = self.names_by_param.get(id(p)) or f"{prefix}group{g}.{i}"
+        return names
+
+    def capture(self, applied: bool = True) -> dict | None:
+        """Device tensors of this step, before ``optimizer.step()``: ``names`` and ``rows`` (an
+        ``UpdateRows`` over every parameter of the optimizers; those without a gradient have an
+        update of 0 and come last), ``planned`` (how many rows the step changes: the first ones)
+        and ``applied``. ``applied=False``: the step will be skipped, the updates
+        are 0. None when not available or when the optimizers hold no parameter."""
+        if self.unavailable:
             return None
-        weight_sumsq = _sumsq_rows(weights)
+        names_of = self._names()
+        if not names_of:
+            return None
+        rows = planned_rows = plan_updates(self.optimizers)
         self.passes += 1
-        update_sumsq = torch.zeros_like(weight_sumsq)
-        if applied:
-            pairs = [pu for opt in self.optimizers for pu in planned_updates(opt)]
-            if pairs:
-                rows = _sumsq_rows([u for _, u in pairs])
-                self.passes += 1
-                where = torch.tensor([index[id(p)] for p, _ in pairs], device=update_sumsq.device)
-                update_sumsq.index_copy_(0, where, rows.to(update_sumsq.device))
-        return {"names": names, "weight_sumsq": weight_sumsq, "update_sumsq": update_sumsq}
+        planned = {id(p) for p in rows.params}
+        rest = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+                if id(p) not in planned]
+        rest = list({id(p): p for p in rest}.values())
+        if rest:
+            device = rows.floats.device if len(rows) else rest[0].device
+            f, c = _weights_only(rest, device)
+            rows = UpdateRows(rows.params + rest, torch.cat([rows.floats.to(device), f]),
+                              torch.cat([rows.counts.to(device), c]), rows.adam + [False] * len(rest),
+                              rows.moment1 + [False] * len(rest), rows.calls)
+        return {"names": [names_of[id(p)] for p in rows.params], "rows": rows, "planned": len(planned_rows),
+                "applied": applied}
+
+    def layer_table(self, captured: dict) -> tuple[list[str], torch.Tensor]:
+        """(layers, float64 ``[len(layers), len(LAYER_FIELDS)]`` on the device): the per-layer
+        values of ``captured`` (``gradfuse.dynamics.update_plan.layer_values``), no host read."""
+        layers = list(dict.fromkeys(layer_of(n, self.layer_depth) for n in captured["names"]))
+        index = {k: i for i, k in enumerate(layers)}
+        rows = captured["rows"]
+        ids = torch.tensor([index[layer_of(n, self.layer_depth)] for n in captured["names"]], dtype=torch.int64)
+        return layers, layer_values(rows, ids.to(rows.floats.device), len(layers), captured["applied"])
 
     def layers(self, captured: dict) -> dict[str, dict[str, float]]:
-        """``{"update_ratio": {layer: |u| / |w|}, "weight_norm": {layer: |w|}, "update_norm":
-        {layer: |u|}}`` (one transfer). A layer of zero weights has ratio inf (0 when its update
-        is 0 too)."""
-        host = torch.stack([captured["weight_sumsq"], captured["update_sumsq"]]).cpu().tolist()
-        w2: dict[str, float] = {}
-        u2: dict[str, float] = {}
-        for name, w, u in zip(captured["names"], host[0], host[1]):
+        """Field -> {layer: value} for every field of ``LAYER_FIELDS`` (one transfer):
+        ``update_ratio`` (|u| / |w|; inf for zero weights, 0 when the update is 0 too),
+        ``weight_norm``, ``update_norm``, ``update_rms``; ``moment1_rms`` (layers with a first
+        moment: Adam, SGD with momentum), ``moment2_rms`` and ``eps_dominated`` (a fraction; layers
+        with Adam parameters), on steps that apply the update; ``update_nonfinite``,
+        ``moment_nonfinite``, ``weight_nonfinite`` (element counts, ints)."""
+        layers, table = self.layer_table(captured)
+        host = table.cpu().tolist()
+        rows = captured["rows"]
+        has_m1: set[str] = set()
+        has_adam: set[str] = set()
+        for name, m1, adam in zip(captured["names"], rows.moment1, rows.adam):
             key = layer_of(name, self.layer_depth)
-            w2[key] = w2.get(key, 0.0) + w
-            u2[key] = u2.get(key, 0.0) + u
-        out = {"update_ratio": {}, "weight_norm": {}, "update_norm": {}}
-        for key in w2:
-            w, u = math.sqrt(w2[key]), math.sqrt(u2[key])
-            out["weight_norm"][key] = w
-            out["update_norm"][key] = u
-            out["update_ratio"][key] = u / w if w > 0 else (0.0 if u == 0 else math.inf)
+            if m1:
+                has_m1.add(key)
+            if adam:
+                has_adam.add(key)
+        out: dict[str, dict] = {f: {} for f in LAYER_FIELDS}
+        for layer, values in zip(layers, host):
+            for field_name, v in zip(LAYER_FIELDS, values):
+                if field_name == "moment1_rms" and (layer not in has_m1 or not captured["applied"]):
+                    continue
+                if field_name in ("moment2_rms", "eps_dominated") and (layer not in has_adam
+                                                                       or not captured["applied"]):
+                    continue
+                out[field_name][layer] = int(v) if field_name in COUNT_FIELDS and math.isfinite(v) else v
         return out

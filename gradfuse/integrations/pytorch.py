@@ -189,7 +189,8 @@ class Attachment:
         # One optimizer: the monitor unscales itself, fused with its statistics (one read, one
         # write) unless scaler.unscale_ ran already. Several: each is unscaled with scaler.unscale_.
         fused = scaler is not None and len(optimizers) == 1
-        if monitor_kwargs.get("update_ratios") is True:  # the optimizers attached to
+        if monitor_kwargs.get("update_ratios") is True or (  # the optimizers attached to
+                monitor_kwargs.get("max_update_rms") is not None and not monitor_kwargs.get("update_ratios")):
             monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
         if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
             monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
@@ -389,8 +390,8 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         **monitor_kwargs: what ``GradMonitor`` takes (``max_norm``, ``every``, ``sinks``,
             ``on_nonfinite``, ``explode_threshold``, ``on_explode``, ...; ``max_norm`` may be a
             schedule or a ``gradfuse.ZClip``, and ``per``, ``clip_value``, ``agc`` choose
-            other clipping modes, see ``gradfuse.clip``). ``update_ratios=True``
-            takes the attached optimizers; ``noise_scale=True`` counts micro-batches by the
+            other clipping modes, see ``gradfuse.clip``). ``update_ratios=True`` and
+            ``max_update_rms`` take the attached optimizers; ``noise_scale=True`` counts micro-batches by the
             backward passes themselves (no call in the loop; gradient accumulation is seen), and
             with ``model`` a ``DistributedDataParallel`` registers the DDP hook.
             ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on

@@ -1,26 +1,32 @@
-"""What ``GradMonitor(noise_scale=..., update_ratios=...)`` adds to a step: the gradient noise
-scale (``gradfuse.dynamics.noise_scale``) every step, and the update-to-weight ratios
-(``gradfuse.dynamics.update_ratio``) on logging steps. The monitor calls
-``Dynamics.on_step`` after its own statistics and clip, right before the optimizer steps,
-and ``Dynamics.record`` when it writes a record.
+"""What ``GradMonitor(noise_scale=..., update_ratios=..., max_update_rms=...)`` adds to a step:
+the gradient noise scale (``gradfuse.dynamics.noise_scale``) every step; the optimizer's
+statistics per layer (``gradfuse.dynamics.update_ratio``) on logging steps, every
+``update_every`` steps, and on every step that limits the updates or whose flight recorder
+records them (one fused pass serves them all); and the update clipping of ``max_update_rms``
+(``gradfuse.dynamics.update_clip``). The monitor calls ``Dynamics.on_step`` after its own
+statistics and clip, right before the optimizer steps, and ``Dynamics.record`` when it writes a
+record.
 
 Layer: monitor. Imports ``gradfuse.dynamics`` and ``gradfuse.ops.layout``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gradfuse.dynamics.noise_scale import NoiseScale
+from gradfuse.dynamics.update_clip import UpdateClip
 from gradfuse.dynamics.update_ratio import UpdateRatios
-from gradfuse.ops.layout import SUMSQ
+from gradfuse.ops.layout import SUMSQ, UPDATE_SUMSQ
 from gradfuse.utils import warn
 
 
 class Dynamics:
-    """The monitor's noise-scale estimator and update-ratio capture (either may be None)."""
+    """The monitor's noise-scale estimator, update statistics and update clipping (each may be None)."""
 
     def __init__(self, noise_scale, update_ratios, *, optimizer=None, names_by_param=None,
-                 layer_depth: int | None = None):
+                 layer_depth: int | None = None, update_every: int | None = None, max_update_rms=None):
         self.noise_scale: NoiseScale | None = None
         if noise_scale is True:
             self.noise_scale = NoiseScale()
@@ -30,6 +36,17 @@ class Dynamics:
             raise TypeError("gradfuse.GradMonitor: noise_scale must be True, False or a gradfuse.NoiseScale, "
                             f"got {type(noise_scale).__name__}")
         self.update_ratios: UpdateRatios | None = None
+        if max_update_rms is not None and update_ratios in (None, False):
+            if optimizer is None:
+                raise ValueError("gradfuse.GradMonitor: max_update_rms needs the optimizer: pass "
+                                 "update_ratios=optimizer (or a list of optimizers); gradfuse.attach passes it itself")
+            update_ratios = True
+        if update_every is not None and (not isinstance(update_every, int) or isinstance(update_every, bool)
+                                         or update_every < 1):
+            raise ValueError(f"gradfuse.GradMonitor: update_every must be an int >= 1 or None, got {update_every!r}")
+        if update_every is not None and update_ratios in (None, False):
+            raise ValueError("gradfuse.GradMonitor: update_every needs update_ratios (the optimizer)")
+        self.update_every = update_every
         if update_ratios not in (None, False):
             if update_ratios is True:
                 if optimizer is None:
@@ -48,6 +65,10 @@ class Dynamics:
             if self.update_ratios.unavailable:
                 warn(f"gradfuse.GradMonitor: {self.update_ratios.unavailable}; update_ratio/* and "
                      "weight_norm/* are not logged")
+        self.update_clip: UpdateClip | None = None
+        if max_update_rms is not None:
+            self.update_clip = UpdateClip(self.update_ratios.optimizers, max_update_rms)
+        self._clip_restored = {"update_clipped_params": 0, "update_clipped_steps": 0}
         # An integration that writes records later than the step (the HF Trainer logs after the
         # update) sets this before the step it will log.
         self.capture_next = False
@@ -58,9 +79,11 @@ class Dynamics:
         if self.noise_scale is not None:
             self.noise_scale.after_backward(watch)
 
-    def on_step(self, report, log_now: bool, loss_scale=None) -> None:
+    def on_step(self, report, log_now: bool, loss_scale=None, need_updates: bool = False) -> None:
         """After the monitor's statistics and clip, before the optimizer steps; ``loss_scale``:
-        the GradScaler's scale tensor when AMP scales the gradients."""
+        the GradScaler's scale tensor when AMP scales the gradients; ``need_updates``: the flight
+        recorder records this step's update (taken here, in the same pass, when the optimizers
+        are the same). The update statistics go into ``report.updates``."""
         s = report.stats
         skipped = report.skip or "amp_overflow" in report.anomalies or s is None
         ns = self.noise_scale
@@ -70,14 +93,43 @@ class Dynamics:
             else:
                 ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale)
         capture, self.capture_next = log_now or self.capture_next, False
-        if self.update_ratios is not None and capture:
-            got = self.update_ratios.capture(applied=not skipped)
-            self._captured = None if got is None else (report.step, got)
+        every = self.update_every is not None and report.step % self.update_every == 0
+        ur, clip = self.update_ratios, self.update_clip
+        if clip is not None and skipped:
+            clip.cancel()  # the optimizer does not step: nothing to rescale
+        if ur is None or not (capture or every or need_updates or (clip is not None and not skipped)):
+            return
+        got = ur.capture(applied=not skipped)
+        if got is not None and clip is not None and not skipped:
+            rows = got["rows"]
+            coefs = clip.prepare(rows)
+            # the record describes the update applied: rescaled where the coefficient is below 1
+            scale = torch.where(coefs < 1, coefs * coefs, torch.ones_like(coefs))
+            floats = rows.floats.clone()
+            floats[:, UPDATE_SUMSQ] = floats[:, UPDATE_SUMSQ] * scale
+            got = {**got, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}
+        self._captured = None if got is None else (report.step, got)
+        report.updates = got
+
+    def planned_updates(self, report, optimizers):
+        """The ``UpdateRows`` of ``report``'s step over ``optimizers`` (the parameters the step
+        changes; their updates as applied, after any update clipping) when this step took them
+        for the same optimizers, else None."""
+        ur = self.update_ratios
+        got = report.updates
+        if got is None or ur is None or list(optimizers) != ur.optimizers:
+            return None
+        rows, n = got["rows"], got["planned"]
+        return dataclasses.replace(rows, params=rows.params[:n], floats=rows.floats[:n], counts=rows.counts[:n],
+                                   adam=rows.adam[:n], moment1=rows.moment1[:n])
 
     def record(self, report) -> dict:
         """The record's additions for ``report``: ``noise_scale`` ({noise_scale, G2, trSigma}, the
-        estimates so far), and when captured at this step ``update_ratio``, ``weight_norm``,
-        ``update_norm`` (per layer), or ``update_ratio_unavailable`` (why not)."""
+        estimates so far), and when captured at this step the per-layer optimizer statistics
+        (``update_ratio``, ``weight_norm``, ``update_norm``, ``update_rms``, ``moment1_rms``,
+        ``moment2_rms``, ``eps_dominated``, ``update_nonfinite``, ``moment_nonfinite``,
+        ``weight_nonfinite``) and with ``max_update_rms`` ``update_clipped`` (the parameters whose
+        update is rescaled at this step), or ``update_ratio_unavailable`` (why not)."""
         out = {}
         if self.noise_scale is not None:
             out["noise_scale"] = self.noise_scale.host_values()
@@ -86,14 +138,32 @@ class Dynamics:
             if ur.unavailable:
                 out["update_ratio_unavailable"] = ur.unavailable
             elif self._captured is not None and self._captured[0] == report.step:
-                out.update(ur.layers(self._captured[1]))
+                got = self._captured[1]
+                out.update(ur.layers(got))
+                if "coefs" in got:
+                    out["update_clipped"] = int((got["coefs"] < 1).sum())
         return out
+
+    def counters(self) -> dict[str, int]:
+        """With ``max_update_rms``: ``update_clipped_params`` (parameter updates rescaled) and
+        ``update_clipped_steps`` (steps that rescaled one), restored ones included (reads the
+        device counters); else empty."""
+        if self.update_clip is None:
+            return {}
+        now = self.update_clip.counts()
+        return {k: now[k] + self._clip_restored[k] for k in now}
 
     def state_dict(self) -> dict:
         """The noise scale estimator's state, for checkpoints."""
-        return {"noise_scale": None if self.noise_scale is None else self.noise_scale.state_dict()}
+        state = {"noise_scale": None if self.noise_scale is None else self.noise_scale.state_dict()}
+        if self.update_clip is not None:
+            state["update_clip"] = self.counters()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the noise scale estimator's state from ``state_dict``'s output."""
         if self.noise_scale is not None and state.get("noise_scale") is not None:
             self.noise_scale.load_state_dict(state["noise_scale"])
+        if self.update_clip is not None and state.get("update_clip") is not None:
+            now = self.update_clip.counts()
+            self._clip_restored = {k: int(state["update_clip"].get(k, 0)) - now[k] for k in now}

@@ -90,7 +90,8 @@ class GradMonitor:
             ``step``, or pass ``optimizer`` too and let the monitor unscale, check and clip
             in one fused pass (one read and one write of the gradients instead of three reads
             and two writes; see ``gradfuse.unscale_clip_``).
-        optimizer: with ``scaler``: the optimizer whose gradients the monitor unscales.
+        optimizer: with ``scaler``: the optimizer whose gradients the monitor unscales; with
+            ``max_update_rms`` (and no ``update_ratios``): the optimizer whose updates it limits.
         enabled: False turns the monitor off: ``step`` then does nothing at all.
         start_step: the first step number. A resumed run restores it (and the counters) with
             ``load_state_dict``.
@@ -105,9 +106,22 @@ class GradMonitor:
             ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma`` (see
             ``gradfuse.dynamics.noise_scale``; call ``micro_step`` after each backward under
             gradient accumulation, or register the DDP hook).
-        update_ratios: an optimizer (or a list; True: ``optimizer``): per-layer update-to-weight
-            ratios and weight norms on logging steps, ``update_ratio/<layer>``,
-            ``weight_norm/<layer>`` (see ``gradfuse.dynamics.update_ratio``).
+        update_ratios: an optimizer (or a list; True: ``optimizer``): the optimizer's statistics
+            per layer on logging steps: ``update_ratio``, ``weight_norm``, ``update_norm``,
+            ``update_rms``, ``moment1_rms``, ``moment2_rms``, ``eps_dominated``, and non-finite
+            counts (metrics ``<name>/<layer>``; see ``gradfuse.dynamics.update_ratio``), from one
+            fused pass over the weights, gradients and optimizer state (SGD, Adam, AdamW).
+        update_every: with ``update_ratios``: also take the optimizer's statistics every
+            ``update_every`` steps (1: every step), into ``StepReport.updates``; the records of
+            logging steps carry them. None: on logging steps only.
+        max_update_rms: limit each parameter's update to this RMS (Adafactor's update clipping:
+            ``w = w_before + min(1, max_update_rms / rms(u)) * u``), with no host read and no copy
+            of the weights (see ``gradfuse.dynamics.update_clip``): the optimizer's statistics are
+            taken every step (the optimizer of ``update_ratios``, else ``optimizer``), and after
+            ``optimizer.step()`` one more pass over the weights, gradients and optimizer state
+            rescales the updates above the limit (the optimizer's step hooks). Counters
+            ``update_clipped_params`` (parameter updates rescaled) and ``update_clipped_steps``;
+            the records get ``update_clipped`` and show the updates as applied (rescaled).
         activations: also log the statistics of every module's output and of the gradient with
             respect to it (see ``gradfuse.capture_activations``) on the steps that are logged
             (``every``): hooks are registered for those steps only (armed at the end of the step
@@ -177,7 +191,9 @@ class GradMonitor:
             ``per`` not None, ``"param"`` or ``"layer"``; a bad ``agc`` / ``agc_eps``; more than
             one of ``max_norm``, ``clip_value`` and ``agc``; ``per`` without a numeric (or
             schedule) ``max_norm``; ``sink_ranks`` neither a rank number nor ``"all"``;
-            ``optimizer`` without ``scaler``; ``activations`` / ``trace_nonfinite`` without an
+            ``optimizer`` without ``scaler`` or ``max_update_rms``; ``max_update_rms`` or
+            ``update_every`` without an optimizer, or out of range; ``activations`` /
+            ``trace_nonfinite`` without an
             ``nn.Module`` (``model`` or ``module``), on a model compiled with ``torch.compile``,
             or with an ``activation_modules`` name that the model does not have.
         TypeError: ``activation_modules`` holds something other than module names or modules.
@@ -205,7 +221,8 @@ class GradMonitor:
                  enabled: bool = True, start_step: int = 0, histogram: bool = False,
                  per: str | None = None, clip_value: float | None = None, agc: float | None = None,
                  agc_eps: float = 1e-3, check_double_clip: bool = True,
-                 noise_scale=False, update_ratios=False,
+                 noise_scale=False, update_ratios=False, update_every: int | None = None,
+                 max_update_rms: float | None = None,
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
                  module: nn.Module | None = None, sink_ranks: int | str = 0, recorder=None,
                  on_spike: str = "warn"):
@@ -251,7 +268,7 @@ class GradMonitor:
         self.layer_depth = layer_depth
         self.scaler = scaler
         self.optimizer = optimizer
-        if optimizer is not None and scaler is None:
+        if optimizer is not None and scaler is None and max_update_rms is None:
             raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
         named = model.named_parameters() if isinstance(model, nn.Module) else (
             [] if isinstance(model, torch.Tensor) else model)
@@ -270,9 +287,10 @@ class GradMonitor:
         self._started = False
         self._last_report: StepReport | None = None
         self.dynamics = None  # gradfuse.monitor.dynamics: noise scale, update ratios
-        if noise_scale or update_ratios:
+        if noise_scale or update_ratios or update_every is not None or max_update_rms is not None:
             self.dynamics = Dynamics(noise_scale, update_ratios, optimizer=optimizer,
-                                     names_by_param=self._names_by_param, layer_depth=layer_depth)
+                                     names_by_param=self._names_by_param, layer_depth=layer_depth,
+                                     update_every=update_every, max_update_rms=max_update_rms)
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
                          self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
         self._act_hooks = None
@@ -494,10 +512,10 @@ class GradMonitor:
     def _finish(self, plan: StepPlan, report: StepReport, decision: Decision) -> None:
         """The dynamics of the step, and its record to the sinks on logging steps and on
         anomalies a policy acted on."""
-        flight.commit_step(self.recorder, report, decision)
         if self.dynamics is not None:
-            self.dynamics.on_step(report, plan.log_now,
-                                  self.scaler._scale if self._amp_active() else None)
+            self.dynamics.on_step(report, plan.log_now, self.scaler._scale if self._amp_active() else None,
+                                  need_updates=flight.wants_updates(self.recorder))
+        flight.commit_step(self.recorder, report, decision, dynamics=self.dynamics)
         if plan.log_now or (report.anomalies and decision.policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
@@ -574,7 +592,8 @@ class GradMonitor:
         Returns:
             A dict of ints: ``steps`` (steps taken), ``clipped_steps`` (reads a device counter),
                 ``skipped_steps``, ``anomaly_steps``, ``nonfinite_steps``, ``explode_steps``,
-                ``amp_overflow_steps``, ``dropped_records``; with ``recorder`` also
+                ``amp_overflow_steps``, ``dropped_records``; with ``max_update_rms`` also
+                ``update_clipped_params``, ``update_clipped_steps``; with ``recorder`` also
                 ``spike_steps``, ``dumps``, ``failed_dumps``.
 
         Example:
@@ -586,6 +605,8 @@ class GradMonitor:
         out = {"steps": self.step_count, "clipped_steps": self.clipped_steps}
         out.update({name: getattr(self, name) for name in COUNTERS})
         out["dropped_records"] = self.dropped_records
+        if self.dynamics is not None:
+            out.update(self.dynamics.counters())
         return {**out, **flight.recorder_counters(self)}
 
     def record(self, report: StepReport, event: bool = False) -> dict:

@@ -103,6 +103,8 @@ def run_config(monitor, activations: bool) -> dict:
             "activations": activations,
             "noise_scale": bool(dyn is not None and dyn.noise_scale is not None),
             "update_ratios": bool(dyn is not None and dyn.update_ratios is not None),
+            "update_every": None if dyn is None else dyn.update_every,
+            "max_update_rms": None if dyn is None or dyn.update_clip is None else dyn.update_clip.max_rms,
             "sink_ranks": monitor.sink_ranks,
             **({"recorder": monitor.recorder.steps, "on_spike": monitor.on_spike}
                if monitor.recorder is not None else {})}

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 
 from gradfuse.activations.stats import output_layer
-from gradfuse.core.engine import fused_stats
 from gradfuse.core.layers import layer_of
-from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
+from gradfuse.dynamics.update_plan import LAYER_FIELDS as UPDATE_LAYER_FIELDS
+from gradfuse.dynamics.update_plan import layer_values, plan_updates, unavailable_reason
 from gradfuse.monitor.flight_dump import write_dump
 from gradfuse.monitor.spikes import GRAD, LOSS, SPIKE_QUANTITIES, UPDATE, SpikeDetector
-from gradfuse.ops import INF, MAXABS, NAN, NUMEL, SUM, SUMSQ, stats_dtype
+from gradfuse.ops import INF, MAXABS, NAN, SUMSQ, stats_dtype
+from gradfuse.ops.layout import UPDATE_NUMEL, UPDATE_SUMSQ
 from gradfuse.utils import warn
 
 SCALAR_FIELDS = ("loss", "grad_norm", "update_norm", "clip_coef", "nonfinite", "skipped")
@@ -56,9 +57,10 @@ class FlightRecorder:
       ``skipped`` (1 when a policy skipped the step);
     - per layer (``LAYER_FIELDS``, layers as the monitor's records group parameters):
       ``grad_l2``, ``grad_linf``, ``grad_nonfinite``; with an optimizer ``update_rms``
-      (sqrt(sum u^2 / numel)), ``update_ratio`` (|u| / |w|), ``exp_avg_rms`` and
-      ``exp_avg_sq_rms`` (the RMS of the Adam moments: the state as the step finds it, before
-      this step's update; the second as the RMS of sqrt of its bias-corrected value); with
+      (sqrt(sum u^2 / numel)), ``update_ratio`` (|u| / |w|), ``exp_avg_rms`` (the RMS of the
+      first moment as the step leaves it: Adam's ``exp_avg``, SGD's momentum buffer) and
+      ``exp_avg_sq_rms`` (Adam: the RMS of the bias-corrected root sqrt(v') / sqrt(1 - beta2^t)
+      of the second moment as the step leaves it); with
       ``GradMonitor(activations=True)``, on the steps whose activations are captured,
       ``act_rms`` (the RMS of the layer's module outputs).
 
@@ -67,12 +69,13 @@ class FlightRecorder:
     values per layer field table (``steps x layers x 64`` bytes) plus ``steps x 6`` scalars and
     ``window x 3`` values of spike history; float32 on a device without float64.
 
-    The update is computed as the optimizer will apply it
-    (``gradfuse.dynamics.update_ratio.planned_updates``: SGD, Adam, AdamW), right before
-    ``optimizer.step()``, in temporaries freed right after. It reads the host where that function
-    does: a tensor learning rate, and Adam's step counter (a CPU tensor unless ``capturable``:
-    no wait for the device). The optimizer is ``optimizer``, else the monitor's
-    ``update_ratios`` optimizers, else the one ``gradfuse.attach`` or an integration steps.
+    The update statistics are those of the update the optimizer is about to apply
+    (``gradfuse.dynamics.update_plan``: SGD, Adam, AdamW), taken right before
+    ``optimizer.step()`` by the fused update op: one pass over the weights, the gradients and the
+    optimizer's state, no temporaries, no host read (the pass the monitor's ``update_ratios``
+    takes, when it takes one at that step for the same optimizers, serves both). The optimizer
+    is ``optimizer``, else the monitor's ``update_ratios`` optimizers, else the one
+    ``gradfuse.attach`` or an integration steps.
 
     Spikes: for each of loss, gradient norm and update norm the history is its previous
     ``window`` finite values (of this run, or restored by ``load_state_dict``). With at least
@@ -96,10 +99,12 @@ class FlightRecorder:
         max_dumps: At most this many automatic dumps per run (on-demand dumps, ``dump(path)``,
             are not bounded but are counted in ``dumps``).
         record_updates: Record the optimizer's update statistics (when an optimizer is known): the
-            update norm and its spikes, per layer the update RMS and ratio and Adam's moment RMS.
-            Off by default: the update is formed in temporaries as large as the parameters (freed
-            right after), which cost 29% of a GPT-2 small CPU step (``benchmarks/recorder_cost.py``),
-            where the rest of the recorder costs 0.02%.
+            update norm and its spikes, per layer the update RMS and ratio and the moments' RMS.
+            Off by default: it is one fused pass over the weights, the gradients and the
+            optimizer's state every step (no temporaries; for AdamW the weight, the gradient and
+            the two moments are read once each), where the rest of the recorder costs 0.02% of a
+            GPT-2 small CPU step (``benchmarks/recorder_cost.py`` measures both). With
+            ``update_ratios`` on the monitor the pass is shared.
         optimizer: The optimizer (or a list) whose updates are recorded.
 
     Attributes:
@@ -271,10 +276,18 @@ class FlightRecorder:
         self._pending = torch.zeros_like(self._pending)
         self._committed = False
 
-    def commit(self, stats, *, skipped: bool, applied: bool) -> None:
+    def commit(self, stats, *, skipped: bool, applied: bool, updates=None) -> None:
         """The second half, before ``optimizer.step()``: the clip coefficient, the update the
         optimizer is about to apply (when ``applied``), and the row written at the device-side
-        index (no host read). Once per step; later calls do nothing."""
+        index (no host read). Once per step; later calls do nothing.
+
+        Args:
+            stats: The step's ``GradStats`` (after clipping).
+            skipped: A policy skipped the step.
+            applied: The optimizer applies this step's update.
+            updates: This step's ``UpdateRows`` over the recorder's optimizers when taken
+                already (``gradfuse.dynamics.update_plan.plan_updates``), else None.
+        """
         if self._committed or not self._bound:
             return
         self._committed = True
@@ -284,7 +297,7 @@ class FlightRecorder:
             s[3] = coef.to(self.device, self.dtype).clamp(max=1.0)
         s[5] = float(skipped)
         if applied and self.record_updates and self.optimizers and not self.updates_unavailable:
-            self._updates(s, rows)
+            self._updates(s, rows, updates)
             bit = self.spikes.decide(s[UPDATE:UPDATE + 1], (UPDATE,))
             self._spike[UPDATE] = bit[0]
             self._pending[UPDATE] = bit[0]
@@ -297,59 +310,21 @@ class FlightRecorder:
         self.index.add_(1).remainder_(self.steps)
         self.count.add_(1).clamp_(max=self.steps)
 
-    def _rows_of(self, tensors: list[torch.Tensor]):
-        """(layer ids, float rows, count rows) of ``tensors`` in one fused pass per group."""
-        keys = [str(i) for i in range(len(tensors))]
-        st = fused_stats(keys, [t.detach() for t in tensors], 2.0, what="tensor", elementwise_zero_norm=True)
-        return [int(k) for k in st.names], st.floats, st.counts
-
-    def _updates(self, s: torch.Tensor, rows: torch.Tensor) -> None:
-        """The update statistics of this step into the scalars and rows."""
-        pairs = [pu for opt in self.optimizers for pu in planned_updates(opt)]
-        if not pairs:
+    def _updates(self, s: torch.Tensor, rows: torch.Tensor, planned=None) -> None:
+        """The update statistics of this step into the scalars and rows, from ``planned`` (the
+        ``UpdateRows`` of this step over the recorder's optimizers, when the monitor took them
+        already) or from one fused update pass."""
+        planned = plan_updates(self.optimizers) if planned is None else planned
+        if not len(planned):
             return
-        params = [p for p, _ in pairs]
-        names = [self.names_by_param.get(id(p), "") for p in params]
-        order, uf, uc = self._rows_of([u for _, u in pairs])
-        ids = self._layer_ids([names[k] for k in order])
-        u2 = uf[:, SUMSQ].to(self.device, self.dtype)
-        s[UPDATE] = u2.sum().sqrt()
-        order_w, wf, _ = self._rows_of(params)
-        ids_w = self._layer_ids([names[k] for k in order_w])
-        n, lu2, lw2 = self._by_layer(ids, uc[:, NUMEL]), self._by_layer(ids, u2), self._by_layer(ids_w, wf[:, SUMSQ])
-        rows[:, 3] = torch.where(n > 0, (lu2 / n).sqrt(), math.nan)
-        u, w = lu2.sqrt(), lw2.sqrt()
-        ratio = torch.where(w > 0, u / w, torch.where(u == 0, 0.0, math.inf))
-        rows[:, 4] = torch.where(n > 0, ratio, math.nan)
-        self._moments(rows)
-
-    def _moments(self, rows: torch.Tensor) -> None:
-        """The Adam moments' RMS per layer, from the state as the step finds it."""
-        found = []
-        for opt in self.optimizers:
-            if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-                continue
-            for group in opt.param_groups:
-                beta2 = group["betas"][1]
-                for p in group["params"]:
-                    st = opt.state.get(p, {})
-                    if "exp_avg" in st and "exp_avg_sq" in st and "step" in st:
-                        found.append((p, st, beta2))
-        if not found:
-            return
-        names = [self.names_by_param.get(id(p), "") for p, _, _ in found]
-        order_m, mf, mc = self._rows_of([st["exp_avg"] for _, st, _ in found])
-        order_v, vf, _ = self._rows_of([st["exp_avg_sq"] for _, st, _ in found])
-        steps = torch.stack([torch.as_tensor(st["step"]).reshape(()).to(self.device, self.dtype)
-                             for _, st, _ in found])
-        betas = torch.tensor([b for _, _, b in found], dtype=self.dtype).to(self.device)
-        correction = 1 - betas ** steps
-        ids_m = self._layer_ids([names[k] for k in order_m])
-        ids_v = self._layer_ids([names[k] for k in order_v])
-        v = vf[:, SUM].to(self.device, self.dtype) / correction[torch.tensor(order_v, device=self.device)]
-        n = self._by_layer(ids_m, mc[:, NUMEL])
-        rows[:, 5] = torch.where(n > 0, (self._by_layer(ids_m, mf[:, SUMSQ]) / n).sqrt(), math.nan)
-        rows[:, 6] = torch.where(n > 0, (self._by_layer(ids_v, v) / n).sqrt(), math.nan)
+        ids = self._layer_ids([self.names_by_param.get(id(p), "") for p in planned.params])
+        table = layer_values(planned, ids, len(self.layers)).to(self.device, self.dtype)
+        s[UPDATE] = planned.floats[:, UPDATE_SUMSQ].sum().sqrt().to(self.device, self.dtype)
+        have = self._by_layer(ids, planned.counts[:, UPDATE_NUMEL].to(torch.float64)) > 0
+        for field, source in (("update_rms", "update_rms"), ("update_ratio", "update_ratio"),
+                              ("exp_avg_rms", "moment1_rms"), ("exp_avg_sq_rms", "moment2_rms")):
+            value = table[:, UPDATE_LAYER_FIELDS.index(source)]
+            rows[:, LAYER_FIELDS.index(field)] = torch.where(have, value, math.nan)
 
     def record_loss(self, loss) -> None:
         """The loss of the step just recorded, for loops that know it only after the step (the

@@ -59,15 +59,22 @@ def observe(recorder: FlightRecorder | None, step: int, report, loss) -> None:
         recorder.observe(step, report.stats, loss, report.activations)
 
 
-def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool = False) -> None:
+def wants_updates(recorder: FlightRecorder | None) -> bool:
+    """Whether ``recorder`` records the optimizer's update at each step."""
+    return recorder is not None and recorder.record_updates and bool(recorder.optimizers)
+
+
+def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool = False, dynamics=None) -> None:
     """The monitor's step with ``recorder``: the row of the step (``commit``; no update when
-    the step is skipped, the scaler's to skip, or ``raising``), and a dump when a policy other
-    than ``"ignore"`` acted on a non-finite, explode or spike anomaly (its path in
-    ``report.dump``)."""
+    the step is skipped, the scaler's to skip, or ``raising``; the update statistics the
+    monitor's ``dynamics`` took this step when they cover the recorder's optimizers), and a dump
+    when a policy other than ``"ignore"`` acted on a non-finite, explode or spike anomaly (its
+    path in ``report.dump``)."""
     if recorder is None:
         return
     applied = not (raising or report.skip or "amp_overflow" in report.anomalies)
-    recorder.commit(report.stats, skipped=report.skip, applied=applied)
+    updates = None if dynamics is None else dynamics.planned_updates(report, recorder.optimizers)
+    recorder.commit(report.stats, skipped=report.skip, applied=applied, updates=updates)
     trigger = trigger_of(report)
     if trigger is not None and set(decision.policies) - {"ignore"}:
         report.dump = recorder.dump(trigger=trigger)

@@ -67,6 +67,12 @@ class StepReport:
         spikes (list[str]): With a flight recorder, on a ``"spike"`` step: the quantities that
             spiked (``"loss"``, ``"grad_norm"``, ``"update_norm"``).
         dump (Path | None): The flight recorder's dump written for this step, or None.
+        updates (dict | None): With ``update_ratios``, on the steps that take the optimizer's
+            statistics (logging steps, ``update_every``, ``max_update_rms``, a flight recorder
+            recording updates): ``names``, ``rows`` (an ``UpdateRows`` of device tensors, per
+            parameter, the update as applied; ``monitor.dynamics.update_ratios.layers(
+            report.updates)`` reads them per layer), ``planned`` (the leading rows the step
+            changes), ``applied``, and with ``max_update_rms`` ``coefs``; else None.
 
     Example:
         ```python
@@ -89,6 +95,7 @@ class StepReport:
     first_nonfinite: tuple[str, str] | None = None
     spikes: list[str] = field(default_factory=list)  # with a flight recorder: the quantities that spiked
     dump: Path | None = None  # the flight recorder's dump of this step
+    updates: dict | None = None  # the optimizer's statistics of this step, when taken
 
 
 def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float | None, capture,

@@ -72,7 +72,7 @@ MAX_FLOAT_COLUMNS = tuple(i for i, c in enumerate(FLOAT_COLUMNS) if c.combine ==
 # apply, formed from the weight, the gradient and the optimizer's state before the step. The
 # compiled side declares the same columns once, in ``csrc/common/update_math.h``
 # (``GRADFUSE_UPDATE_FLOAT_STATS`` / ``GRADFUSE_UPDATE_COUNT_STATS``; ``build_info()["update_stats_layout"]``).
-UPDATE_FLOAT_COLUMNS: tuple[Column, ...] = (
+UPDATE_FLOAT_COLUMNS = (
     Column("update_sumsq", "sum", 2, "sum of squares of the update u = w_after - w_before"),
     Column("weight_sumsq", "sum", 2, "sum of squares of the weight before the step"),
     Column("moment1_sumsq", "sum", 2,
@@ -82,7 +82,7 @@ UPDATE_FLOAT_COLUMNS: tuple[Column, ...] = (
            "sum of squares of Adam's bias-corrected root sqrt(v') / sqrt(1 - beta2^t) (v' the second "
            "moment after the step, its running maximum with amsgrad); 0 for SGD"),
 )
-UPDATE_COUNT_COLUMNS: tuple[Column, ...] = (
+UPDATE_COUNT_COLUMNS = (
     Column("update_nonfinite", "sum", None, "NaN or Inf elements of the update"),
     Column("weight_nonfinite", "sum", None, "NaN or Inf elements of the weight before the step"),
     Column("moment_nonfinite", "sum", None, "elements whose first or second moment after the step is NaN or Inf"),

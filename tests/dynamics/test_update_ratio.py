@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse.dynamics.update_ratio import planned_updates, unavailable_reason
+from gradfuse.dynamics.update_plan import plan_updates, unavailable_reason
+from gradfuse.ops.layout import UPDATE_SUMSQ
 from gradfuse.sinks import metrics
 
 
@@ -89,22 +90,24 @@ def test_ratios_equal_copied_parameters(kind):
         assert m["update_ratio/head"] == record["update_ratio"]["head"]
         assert m["weight_norm/layers.0"] == record["weight_norm"]["layers.0"]
     assert compared == 18
-    assert mon.dynamics.update_ratios.passes == 12  # two fused passes per logging step
+    assert mon.dynamics.update_ratios.passes == 6  # one fused update pass per logging step
 
 
-def test_planned_update_per_parameter_bitwise_close():
+def test_planned_update_per_parameter_close():
     torch.manual_seed(1)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
     for _ in range(3):
         opt.zero_grad()
         model(torch.randn(8, 12)).square().mean().backward()
-        planned = {id(p): u for p, u in planned_updates(opt)}
+        rows = plan_updates([opt])
+        planned = {id(p): u2 for p, u2 in zip(rows.params, rows.floats[:, UPDATE_SUMSQ].tolist())}
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         for p, b in zip(model.parameters(), before):
-            torch.testing.assert_close(planned[id(p)], p.detach() - b, rtol=0, atol=2e-7)
-            assert planned[id(p)].abs().max() > 1e-4  # a real update
+            u2 = float((p.detach().double() - b.double()).square().sum())
+            assert u2 > 1e-10  # a real update
+            assert planned[id(p)] == pytest.approx(u2, rel=1e-5)
 
 
 def test_only_logging_steps_pay_and_skipped_steps_have_ratio_zero():
@@ -123,7 +126,7 @@ def test_only_logging_steps_pay_and_skipped_steps_have_ratio_zero():
         else:
             mon.step()
             opt.step()
-    assert mon.dynamics.update_ratios.passes == 2 * 2 + 1  # steps 0, 3; step 6 skipped: weights only
+    assert mon.dynamics.update_ratios.passes == 3  # steps 0, 3 and 6 (skipped: the weights, update 0)
     assert [r["step"] for r in logged] == [0, 3, 6]
     assert all(v == 0.0 for v in logged[-1]["update_ratio"].values())
     assert all(v > 0 for v in logged[-1]["weight_norm"].values())
@@ -143,3 +146,66 @@ def test_other_optimizers_say_not_available():
     assert not any(k.startswith("update_ratio/") for k in metrics(logged[0]))
     with pytest.raises(ValueError, match="needs the optimizer"):
         gradfuse.GradMonitor(model, update_ratios=True)
+
+
+@pytest.mark.parametrize("every_step", [False, True])
+def test_record_carries_the_optimizer_statistics_per_layer(every_step):
+    from gradfuse.core.grad_stats import layer_of
+    torch.manual_seed(3)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.05, amsgrad=True)
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    mon = gradfuse.GradMonitor(model, every=2, update_ratios=opt, sinks=[sink],
+                               update_every=1 if every_step else None)
+    x, y = torch.randn(64, 12), torch.randn(64, 3)
+    for step in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        report = mon.step()
+        assert (report.updates is not None) == (every_step or step % 2 == 0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    record = logged[-1]
+    assert record["step"] == 2
+    groups = {}
+    for n, p in model.named_parameters():
+        groups.setdefault(layer_of(n), []).append((n, p))
+    for layer, members in groups.items():
+        numel = sum(p.numel() for _, p in members)
+        u2 = sum(float((p.detach().double() - before[n].double()).square().sum()) for n, p in members)
+        m2 = sum(float(opt.state[p]["exp_avg"].double().square().sum()) for _, p in members)
+        t = float(opt.state[members[0][1]]["step"])
+        roots = [opt.state[p]["max_exp_avg_sq"].double().sqrt() / math.sqrt(1 - 0.999 ** t) for _, p in members]
+        r2 = sum(float(r.square().sum()) for r in roots)
+        dominated = sum(int((r < 0.05).sum()) for r in roots)
+        assert record["update_norm"][layer] == pytest.approx(math.sqrt(u2), rel=1e-5)
+        assert record["update_rms"][layer] == pytest.approx(math.sqrt(u2 / numel), rel=1e-5)
+        assert record["moment1_rms"][layer] == pytest.approx(math.sqrt(m2 / numel), rel=1e-5)
+        assert record["moment2_rms"][layer] == pytest.approx(math.sqrt(r2 / numel), rel=1e-5)
+        assert record["eps_dominated"][layer] == pytest.approx(dominated / numel, abs=1.5 / numel)
+        assert record["update_nonfinite"][layer] == record["moment_nonfinite"][layer] == 0
+        assert record["weight_nonfinite"][layer] == 0
+    assert sum(record["eps_dominated"].values()) > 0  # eps = 0.05 dominates some elements
+    m = metrics(record)
+    for key in ("update_ratio", "weight_norm", "update_norm", "update_rms", "moment1_rms", "moment2_rms",
+                "eps_dominated", "update_nonfinite", "moment_nonfinite", "weight_nonfinite"):
+        assert m[f"{key}/head"] == record[key]["head"]
+    assert mon.config()["update_every"] == (1 if every_step else None)
+
+
+def test_sgd_without_momentum_has_no_moments_in_the_record():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    sink = type("Keep", (), {"write": lambda self, r: logged.append(r)})()
+    mon = gradfuse.GradMonitor(model, every=1, update_ratios=opt, sinks=[sink])
+    model(torch.randn(4, 12)).sum().backward()
+    mon.step()
+    r = logged[0]
+    assert r["moment1_rms"] == r["moment2_rms"] == r["eps_dominated"] == {}
+    assert set(r["update_rms"]) == {"layers.0", "layers.1", "head"}
+    with pytest.raises(ValueError, match="update_every"):
+        gradfuse.GradMonitor(model, update_every=1)
+    with pytest.raises(ValueError, match="update_every"):
+        gradfuse.GradMonitor(model, update_ratios=opt, update_every=0)

@@ -141,10 +141,10 @@ def test_update_statistics_equal_the_applied_update(make):
     loss = model(batch(9, 3.0)).square().mean()
     loss.backward()
     mon.step(loss=loss)
-    state = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
-             for n, p in model.named_parameters()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.step()
+    state = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+             for n, p in model.named_parameters()}
     delta = {n: p.detach() - before[n] for n, p in model.named_parameters()}
     header, arrays = mon.recorder.unroll()
     row = arrays["layers"][-1]
@@ -152,19 +152,21 @@ def test_update_statistics_equal_the_applied_update(make):
     w = layer_norms(model, header["names"], before)
     total = math.sqrt(sum(v[0] ** 2 for v in u.values()))
     assert float(arrays["scalars"][-1, col("update_norm")]) == pytest.approx(total, rel=1e-5)
+    first = "exp_avg" if isinstance(opt, torch.optim.AdamW) else "momentum_buffer"
     for i, layer in enumerate(header["layers"]):
         (un, n), (wn, _) = u[layer], w[layer]
         assert float(row[i, field("update_rms")]) == pytest.approx(un / math.sqrt(n), rel=1e-5)
         assert float(row[i, field("update_ratio")]) == pytest.approx(un / wn, rel=1e-5)
-        if isinstance(opt, torch.optim.AdamW):  # the moments as the step found them
-            m = layer_norms(model, {layer: header["names"][layer]}, {k: s["exp_avg"] for k, s in state.items()})
-            assert float(row[i, field("exp_avg_rms")]) == pytest.approx(m[layer][0] / math.sqrt(n), rel=1e-5)
+        # the moments as the step leaves them: Adam's exp_avg, SGD's momentum buffer
+        m = layer_norms(model, {layer: header["names"][layer]}, {k: s[first] for k, s in state.items()})
+        assert float(row[i, field("exp_avg_rms")]) == pytest.approx(m[layer][0] / math.sqrt(n), rel=1e-5)
+        if isinstance(opt, torch.optim.AdamW):
             steps = float(state[header["names"][layer][0]]["step"])
             v = sum(float(state[k]["exp_avg_sq"].double().sum()) for k in header["names"][layer])
             expected = math.sqrt(v / (1 - 0.999 ** steps) / n)
             assert float(row[i, field("exp_avg_sq_rms")]) == pytest.approx(expected, rel=1e-5)
         else:
-            assert math.isnan(row[i, field("exp_avg_rms")])
+            assert math.isnan(row[i, field("exp_avg_sq_rms")])
 
 
 def plain_rule(values, window, warmup, sigma):

@@ -46,6 +46,25 @@ def test_clip_events_exported():
     assert got[("gradfuse_anomalies_total", (("kind", "explode"),))] == 1
 
 
+def test_optimizer_statistics_and_update_clipping_exported():
+    registry = prom.CollectorRegistry()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mon = GradMonitor(model, every=1, update_ratios=opt, max_update_rms=1e-3, sinks=[PrometheusSink(registry)])
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        mon.step()
+        opt.step()
+    got = scrape(registry)
+    assert got[("gradfuse_update_clipped_steps_total", ())] == 2
+    for layer in ("0", "2"):
+        assert 0 < got[("gradfuse_layer_update_rms", (("layer", layer),))] <= 1e-3 * (1 + 1e-9)
+        assert got[("gradfuse_layer_moment2_rms", (("layer", layer),))] > 0
+        assert got[("gradfuse_layer_update_nonfinite", (("layer", layer),))] == 0
+
+
 def promql_metric_names(expr: str) -> set[str]:
     """The metric names of a PromQL expression: identifiers that are not functions, aggregation
     keywords, label names in by/without (...), or inside {...} / [...]."""

@@ -1,12 +1,13 @@
 """``PrometheusSink``: records as Prometheus metrics (``prometheus_client``), and the Grafana
 dashboard of those metrics shipped beside this module (``grafana_dashboard_path``).
 
-Layer: monitor. Imports ``gradfuse.utils``.
+Layer: monitor. Imports ``gradfuse.utils`` and the record's metric names.
 """
 from __future__ import annotations
 
 import os
 
+from gradfuse.monitor.sinks.record_metrics import UPDATE_KEYS
 from gradfuse.utils import require
 
 
@@ -16,7 +17,10 @@ class PrometheusSink:
     of the step), ``<prefix>_clipped`` (1 when the logged step was clipped),
     ``<prefix>_layer_l2{layer=...}``, ``<prefix>_layer_zero_fraction{layer=...}``, and the
     counters ``<prefix>_anomalies_total{kind=...}``, ``<prefix>_clipped_steps_total`` and
-    ``<prefix>_steps_total`` (the monitor's run totals, every step counted, logged or not).
+    ``<prefix>_steps_total`` (the monitor's run totals, every step counted, logged or not); with
+    ``update_ratios=`` also ``<prefix>_layer_<key>{layer=...}`` for the optimizer's statistics
+    (``update_ratio``, ``update_rms``, ``moment1_rms``, ``moment2_rms``, ``eps_dominated``, ...: the
+    record's keys of those names), with ``max_update_rms=`` ``<prefix>_update_clipped_steps_total``.
 
     Records with a ``rank`` key (``GradMonitor(sink_ranks="all")``) put a ``rank`` label on every
     metric: the first such record re-registers them with it.
@@ -63,10 +67,16 @@ class PrometheusSink:
         self.clipped_steps = prom.Counter(f"{prefix}_clipped_steps", "steps on which clipping scaled "
                                           "the gradients", list(extra), **kw)
         self.steps = prom.Counter(f"{prefix}_steps", "steps taken", list(extra), **kw)
+        # GradMonitor(update_ratios=...): the optimizer's statistics per layer, as the record's keys
+        self.layer_update = {key: prom.Gauge(f"{prefix}_layer_{key}", f"{key} per layer (the optimizer's update)",
+                                             ["layer", *extra], **kw) for key in UPDATE_KEYS}
+        self.update_clipped_steps = prom.Counter(f"{prefix}_update_clipped_steps", "steps on which update "
+                                                 "clipping rescaled a parameter's update", list(extra), **kw)
 
     def _collectors(self) -> list:
         return [self.total_norm, self.clip_coef, self.max_norm, self.clipped, self.layer_l2, self.layer_zero,
-                self.anomalies, self.clipped_steps, self.steps]
+                self.anomalies, self.clipped_steps, self.steps, *self.layer_update.values(),
+                self.update_clipped_steps]
 
     def write(self, record: dict) -> None:
         """Sets the gauges and moves the counters from ``record``.
@@ -94,10 +104,14 @@ class PrometheusSink:
         for layer, a in record["layers"].items():
             m(self.layer_l2, layer=layer).set(a["l2"])
             m(self.layer_zero, layer=layer).set(a["zero_fraction"])
+        for key, gauge in self.layer_update.items():
+            for layer, value in (record.get(key) or {}).items():
+                m(gauge, layer=layer).set(value)
         for kind in record["anomalies"]:
             m(self.anomalies, kind=kind).inc()
         counters = record.get("counters") or {}
-        for name, metric in (("clipped_steps", self.clipped_steps), ("steps", self.steps)):
+        for name, metric in (("clipped_steps", self.clipped_steps), ("steps", self.steps),
+                             ("update_clipped_steps", self.update_clipped_steps)):
             if name in counters:  # run totals: the counter moves by what they grew since the last record
                 grew = counters[name] - self._last_counters.get(name, 0)
                 if grew > 0:

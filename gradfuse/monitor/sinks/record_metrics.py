@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from gradfuse.numerics.histogram import EXPONENT_OFFSET, MAX_EXPONENT, MIN_EXPONENT
 
+# The per-layer optimizer statistics of a record (``gradfuse.dynamics.update_ratio``), each
+# logged as ``<key>/<layer>``.
+UPDATE_KEYS = ("update_ratio", "weight_norm", "update_norm", "update_rms", "moment1_rms", "moment2_rms",
+               "eps_dominated", "update_nonfinite", "moment_nonfinite", "weight_nonfinite")
+
 
 def metrics(record: dict) -> dict[str, float]:
     """A record as flat metric names -> numbers, for metric loggers.
@@ -26,7 +31,10 @@ def metrics(record: dict) -> dict[str, float]:
             layer ``grad_l2/<layer>``, ``grad_zero_fraction/<layer>``, ``grad_nonfinite/<layer>``
             (NaN + Inf count); with the monitor's options ``headroom/<layer>/<column>``,
             ``grad/noise_scale``, ``grad/noise_scale_G2``, ``grad/noise_scale_trSigma``,
-            ``update_ratio/<layer>``, ``weight_norm/<layer>``, and
+            ``update_ratio/<layer>``, ``weight_norm/<layer>``, ``update_norm/<layer>``,
+            ``update_rms/<layer>``, ``moment1_rms/<layer>``, ``moment2_rms/<layer>``,
+            ``eps_dominated/<layer>``, ``update_nonfinite/<layer>``, ``moment_nonfinite/<layer>``,
+            ``weight_nonfinite/<layer>``, ``grad/update_clipped``, and
             ``act/<layer>/{rms,mean,std,dead_fraction,zero_fraction,nonfinite}`` and
             ``act_grad/<layer>/...``.
 
@@ -63,9 +71,11 @@ def metrics(record: dict) -> dict[str, float]:
     if ns:
         m.update({"grad/noise_scale": ns["noise_scale"], "grad/noise_scale_G2": ns["G2"],
                   "grad/noise_scale_trSigma": ns["trSigma"]})
-    for key in ("update_ratio", "weight_norm"):
+    for key in UPDATE_KEYS:  # GradMonitor(update_ratios=...): the optimizer's statistics per layer
         for layer, value in (record.get(key) or {}).items():
-            m[f"{key}/{layer}"] = value
+            m[f"{key}/{layer}"] = float(value)
+    if "update_clipped" in record:  # GradMonitor(max_update_rms=...)
+        m["grad/update_clipped"] = float(record["update_clipped"])
     for kind in ("act", "act_grad"):  # GradMonitor(activations=True), on the steps it logs
         for layer, a in record.get(kind, {}).items():
             for key in ("rms", "mean", "std", "dead_fraction", "zero_fraction"):
