@@ -384,7 +384,10 @@ class GradMonitor:
         if self.optimizer is None or not self._amp_active():
             return False
         from torch.amp.grad_scaler import OptState
-        return self.scaler._per_optimizer_states[id(self.optimizer)]["stage"] is OptState.READY
+        # .get, not [...]: an optimizer the scaler has not seen yet is READY (the defaultdict would
+        # make that state), and a scaler wrapped by a Mock (Lightning's tests) has no __getitem__.
+        state = self.scaler._per_optimizer_states.get(id(self.optimizer))
+        return state is None or state["stage"] is OptState.READY
 
     @torch.no_grad()
     def step(self, log: bool | None = None, loss=None) -> StepReport:

@@ -44,6 +44,9 @@ def test_plot_draws_updates_beside_the_gradient_flow(tmp_path, optimizer_cls, kw
     fig = update_figure(records)
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert any(t.startswith("update-to-weight ratio") for t in titles)
+    assert any(t.startswith("RMS of the update") for t in titles)
+    adam = optimizer_cls is torch.optim.AdamW  # the second-moment panels only where the log has them
+    assert any(t.startswith("Adam: RMS of the bias-corrected root") for t in titles) == adam
     layers = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert layers == list(records[0]["update_ratio"])
 
