@@ -11,11 +11,12 @@ with
   flowing into them, the optimizer's update, weight and moment statistics per layer, and the
   flight recorder (with the updates).
 
-The variants take turns step by step in one process (medians of the whole step: forward,
-backward, monitor, optimizer). Then each variant runs again in a fresh process with
-``MALLOC_MMAP_THRESHOLD_=65536`` (freed blocks go back to the system, so the peak RSS is live
-memory, not the heap's fragmentation) and the extra peak RSS over ``monitor (clip)`` is given as
-a fraction of the parameters' bytes.
+Each variant has its own copy of the model (the same initial weights) and its own AdamW, so that
+the activation hooks one variant arms never run in another's step; they take turns step by step
+in one process (medians of the whole step: forward, backward, monitor, optimizer). First, each
+variant runs alone in a fresh process with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed blocks go back
+to the system, so the peak is live memory, not the heap's fragmentation) and the extra peak RSS
+(``VmHWM``) over ``monitor (clip)`` is given as a fraction of the parameters' bytes.
 
     python benchmarks/full_health.py [--steps 12] [--batch 2] [--seq 128] [--layers 12] [--width 768]
                                      [--no-memory]
@@ -79,6 +80,16 @@ def make_step(name: str, model, tokens, tmp: str):
     return step, (monitor.close if monitor is not None else (lambda: None)), opt
 
 
+def peak_of_this_process() -> float:
+    """MB: the peak RSS of this process's image (VmHWM). Not ``ru_maxrss``: Linux carries that
+    over from the parent's image across fork and exec, so a child of a large parent reads large."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_rss(args, name: str) -> float:
     """MB of peak RSS of a fresh process taking 4 steps of the variant."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -105,13 +116,14 @@ def main(argv=None) -> int:
         for _ in range(4):
             step()
         close()
-        print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        print(json.dumps({"peak_rss_mb": peak_of_this_process()}))
         return 0
 
-    model, tokens = build(args)
-    # One model for all the variants: each keeps its own AdamW state, and the weights move a little
-    # more per round, which the interleaving spreads evenly.
-    steps = {name: make_step(name, model, tokens, tmp) for name in VARIANTS}
+    rss = {} if args.no_memory else {name: peak_rss(args, name) for name in VARIANTS}
+    steps = {}
+    for name in VARIANTS:
+        model, tokens = build(args)  # the same seed: the same initial weights
+        steps[name] = make_step(name, model, tokens, tmp)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for i in range(args.steps + 2):
         for name in (VARIANTS if i % 2 == 0 else reversed(VARIANTS)):
@@ -127,7 +139,6 @@ def main(argv=None) -> int:
           f"batch {args.batch} x {args.seq}, AdamW; {args.steps} steps per variant, taking turns, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    rss = {} if args.no_memory else {name: peak_rss(args, name) for name in VARIANTS}
     print("| variant | median step (ms) | / torch clip | / monitor (clip) | peak RSS (MB) "
           "| extra over monitor (clip), % of parameters |")
     print("|---|---:|---:|---:|---:|---:|")
