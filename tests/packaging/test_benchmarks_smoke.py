@@ -1,9 +1,11 @@
 """Every benchmark runs on tiny sizes (untimed) so the suite cannot rot: the pytest benchmarks,
 the summary from a tiny run's JSON, and the stand-alone scripts (host cost, histogram, clipping,
-ZClip regimes)."""
+ZClip regimes, the update op, full health)."""
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,3 +97,27 @@ def test_zclip_regimes_smoke():
     assert set(expect) <= set(rows), proc.stdout
     for regime, clipped in expect.items():
         assert rows[regime].rstrip().endswith(f"| {clipped} |"), rows[regime]
+
+
+def test_update_op_bench_smoke():
+    """benchmarks/update_op.py on tiny tensors (one round, not a timing): every rule and dtype."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "update_op.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rule in ("adam", "adam amsgrad", "sgd momentum"):
+        for dtype in ("float32", "bfloat16", "float16"):
+            assert f"| {rule} | {dtype} |" in proc.stdout, proc.stdout
+
+
+def test_full_health_bench_smoke():
+    """benchmarks/full_health.py on a one-layer GPT-2 (one step, not a timing): the three variants
+    and their peak memory in fresh processes."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "full_health.py"), "--steps", "1",
+                           "--layers", "1", "--width", "32", "--seq", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("torch clip", "monitor (clip)", "full health"):
+        assert f"| {name} | " in proc.stdout, proc.stdout
