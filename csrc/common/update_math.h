@@ -262,14 +262,31 @@ struct UpdateElementAcc {
   ElemCount update_nonfinite = 0, weight_nonfinite = 0, moment_nonfinite = 0, eps_dominated = 0;
 
   C10_HOST_DEVICE inline void add(const UpdateParams<acc_t>& h, acc_t w, const UpdateElement<acc_t>& e) {
+    add_sums(h, w, e);
+    add_nonfinite(w, e);
+  }
+
+  // The sums of squares and eps_dominated: pass 1 of a kernel that counts the non-finite values
+  // in a second pass, only where sums_finite() is false. A NaN or Inf update, weight or moment
+  // makes its sum of squares NaN or Inf (every square is >= 0; r >= sqrt(v'), and a negative v'
+  // makes r NaN), so a pass whose sums are finite has none of them to count.
+  C10_HOST_DEVICE inline void add_sums(const UpdateParams<acc_t>& h, acc_t w, const UpdateElement<acc_t>& e) {
     update_sumsq += e.update * e.update;
     weight_sumsq += w * w;
     moment1_sumsq += e.moment1 * e.moment1;
     moment2_sumsq += e.root * e.root;
+    eps_dominated += (h.rule == UpdateRule::kAdam && e.root < h.eps) ? ElemCount(1) : ElemCount(0);
+  }
+
+  // The non-finite counts (pass 2).
+  C10_HOST_DEVICE inline void add_nonfinite(acc_t w, const UpdateElement<acc_t>& e) {
     update_nonfinite += nonfinite_count(e.update);
     weight_nonfinite += nonfinite_count(w);
     moment_nonfinite += nonfinite_count(e.moment1 + e.moment2);  // NaN or Inf in either (v' >= 0)
-    eps_dominated += (h.rule == UpdateRule::kAdam && e.root < h.eps) ? ElemCount(1) : ElemCount(0);
+  }
+
+  C10_HOST_DEVICE inline bool sums_finite() const {
+    return nonfinite_count(update_sumsq + weight_sumsq + moment1_sumsq + moment2_sumsq) == ElemCount(0);
   }
 
   C10_HOST_DEVICE inline UpdateAcc<acc_t> row() const {
