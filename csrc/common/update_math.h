@@ -124,7 +124,7 @@ struct UpdateParams {
   acc_t one_minus_beta2;  // Adam: exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
   acc_t one_minus_dampening;  // SGD: buf.mul_(momentum).add_(grad, alpha=1 - dampening)
   acc_t step_size;            // Adam: lr / (1 - beta1^t)
-  acc_t bias_correction2_sqrt;  // Adam: sqrt(1 - beta2^t)
+  acc_t inv_bias_correction2_sqrt;  // Adam: 1 / sqrt(1 - beta2^t), so that r is one product
   acc_t decay;          // the weight's coefficient k in u = a + k * w_before (0 or -lr * weight_decay)
   acc_t decay_factor;   // AdamW's param.mul_(1 - lr * weight_decay)
 
@@ -146,7 +146,7 @@ struct UpdateParams {
     h.one_minus_dampening = acc_t(1.0 - row[kBeta2]);
     const double t = row[kStep];
     h.step_size = acc_t(row[kLr] / (1.0 - ::pow(row[kBeta1], t)));
-    h.bias_correction2_sqrt = acc_t(::sqrt(1.0 - ::pow(row[kBeta2], t)));
+    h.inv_bias_correction2_sqrt = acc_t(1.0 / ::sqrt(1.0 - ::pow(row[kBeta2], t)));
     h.decay_factor = acc_t(1.0 - row[kLr] * row[kWeightDecay]);
     // Where the decay sits outside the state: AdamW's decoupled decay, and SGD's when the update
     // is not the momentum buffer itself (no momentum, or nesterov).
@@ -162,12 +162,21 @@ C10_HOST_DEVICE inline acc_t lerp_element(acc_t start, acc_t end, acc_t weight) 
   return weight < acc_t(0.5) ? start + weight * (end - start) : end - (end - start) * (acc_t(1) - weight);
 }
 
+// Adam's bias-corrected root r = sqrt(v) * (1 / sqrt(1 - beta2^t)): torch divides by
+// sqrt(1 - beta2^t); the product with the reciprocal, formed once per tensor, is within an ulp of
+// that quotient and spares an IEEE division per element. Rounded on its own (mul_rn): r + eps
+// comes out the same whether or not the compiler contracts it.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t adam_root(const UpdateParams<acc_t>& h, acc_t v) {
+  return mul_rn(acc_t(::sqrt(v)), h.inv_bias_correction2_sqrt);
+}
+
 // One element's update and moments.
 template <typename acc_t>
 struct UpdateElement {
   acc_t update;   // u = w_after - w_before
   acc_t moment1;  // m' (Adam), the momentum buffer after the step (SGD with momentum), else 0
-  acc_t root;     // Adam: r = sqrt(v') / sqrt(1 - beta2^t); else 0
+  acc_t root;     // Adam: r = sqrt(v') / sqrt(1 - beta2^t) (adam_root); else 0
   acc_t moment2;  // Adam: v' as the denominator uses it; else 0
 };
 
@@ -185,9 +194,12 @@ C10_HOST_DEVICE inline UpdateElement<acc_t> update_element(const UpdateParams<ac
     acc_t v_new = v * h.beta2 + h.one_minus_beta2 * g * g;
     if (h.amsgrad) v_new = nan_max(v_max, v_new);  // torch.maximum: a NaN on either side propagates
     e.moment2 = v_new;
-    e.root = ::sqrt(v_new) / h.bias_correction2_sqrt;
+    e.root = adam_root(h, v_new);
     const acc_t adam = -h.step_size * (e.moment1 / (e.root + h.eps));  // param.addcdiv_(m, denom, value=-step_size)
-    e.update = h.decoupled ? (w * h.decay_factor - w) + adam : adam;   // param.mul_(1 - lr * wd) first
+    // param.mul_(1 - lr * wd) first. The product is rounded on its own (mul_rn), as torch rounds
+    // it: contracted into w * (1 - lr * wd) - w, it would be the exact -lr * wd * w, which differs
+    // from torch's step by far more than an ulp of the update where the update is mostly decay.
+    e.update = h.decoupled ? (mul_rn(w, h.decay_factor) - w) + adam : adam;
     return e;
   }
   acc_t d = h.weight_decay != acc_t(0) ? g + h.weight_decay * w : g;  // grad.add(param, alpha=wd)
@@ -203,25 +215,31 @@ C10_HOST_DEVICE inline UpdateElement<acc_t> update_element(const UpdateParams<ac
   return e;
 }
 
+// The clip (applied_update_part, clipped_weight) rounds every product that feeds an addition on
+// its own (mul_rn), so that its weights are the same bits whether or not the compiler contracts
+// a * b + c into an FMA (nvcc does by default, g++ on an FMA target): the CPU and CUDA backends
+// write the same weights. The statistics (update_element) leave the other products to the
+// compiler: a contracted v * beta2 + (1 - beta2) * g * g, lerp, g + wd * w or the momentum
+// buffer differs by at most an ulp of its result, far inside the statistics' tolerance.
+
 // After the step: the part a of the update just applied that does not depend on the weight,
 // formed again from the state the step left (m, v or v_max, the momentum buffer) and the gradient.
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t applied_update_part(const UpdateParams<acc_t>& h, acc_t g, acc_t m_after,
                                                  acc_t v_after) {
   if (h.rule == UpdateRule::kAdam) {
-    const acc_t root = ::sqrt(v_after) / h.bias_correction2_sqrt;
-    return -h.step_size * (m_after / (root + h.eps));
+    return mul_rn(-h.step_size, m_after / (adam_root(h, v_after) + h.eps));
   }
-  if (h.beta1 != acc_t(0) && !h.nesterov) return -h.lr * m_after;  // the buffer holds the decay
+  if (h.beta1 != acc_t(0) && !h.nesterov) return mul_rn(-h.lr, m_after);  // the buffer holds the decay
   if (h.maximize) g = -g;
-  return -h.lr * (h.beta1 != acc_t(0) ? g + h.beta1 * m_after : g);
+  return mul_rn(-h.lr, h.beta1 != acc_t(0) ? g + mul_rn(h.beta1, m_after) : g);
 }
 
 // After the step: the weight w_before + c * u, from w_after = w_before * (1 + k) + a.
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t clipped_weight(const UpdateParams<acc_t>& h, acc_t w_after, acc_t a, acc_t c) {
   const acc_t w_before = (w_after - a) / (acc_t(1) + h.decay);
-  return w_before + c * (a + h.decay * w_before);
+  return w_before + mul_rn(c, a + mul_rn(h.decay, w_before));
 }
 
 // Whether a tensor's update must be rescaled: a coefficient below 1 (a NaN coefficient, from an
@@ -244,14 +262,31 @@ struct UpdateElementAcc {
   ElemCount update_nonfinite = 0, weight_nonfinite = 0, moment_nonfinite = 0, eps_dominated = 0;
 
   C10_HOST_DEVICE inline void add(const UpdateParams<acc_t>& h, acc_t w, const UpdateElement<acc_t>& e) {
+    add_sums(h, w, e);
+    add_nonfinite(w, e);
+  }
+
+  // The sums of squares and eps_dominated: pass 1 of a kernel that counts the non-finite values
+  // in a second pass, only where sums_finite() is false. A NaN or Inf update, weight or moment
+  // makes its sum of squares NaN or Inf (every square is >= 0; r >= sqrt(v'), and a negative v'
+  // makes r NaN), so a pass whose sums are finite has none of them to count.
+  C10_HOST_DEVICE inline void add_sums(const UpdateParams<acc_t>& h, acc_t w, const UpdateElement<acc_t>& e) {
     update_sumsq += e.update * e.update;
     weight_sumsq += w * w;
     moment1_sumsq += e.moment1 * e.moment1;
     moment2_sumsq += e.root * e.root;
+    eps_dominated += (h.rule == UpdateRule::kAdam && e.root < h.eps) ? ElemCount(1) : ElemCount(0);
+  }
+
+  // The non-finite counts (pass 2).
+  C10_HOST_DEVICE inline void add_nonfinite(acc_t w, const UpdateElement<acc_t>& e) {
     update_nonfinite += nonfinite_count(e.update);
     weight_nonfinite += nonfinite_count(w);
     moment_nonfinite += nonfinite_count(e.moment1 + e.moment2);  // NaN or Inf in either (v' >= 0)
-    eps_dominated += (h.rule == UpdateRule::kAdam && e.root < h.eps) ? ElemCount(1) : ElemCount(0);
+  }
+
+  C10_HOST_DEVICE inline bool sums_finite() const {
+    return nonfinite_count(update_sumsq + weight_sumsq + moment1_sumsq + moment2_sumsq) == ElemCount(0);
   }
 
   C10_HOST_DEVICE inline UpdateAcc<acc_t> row() const {

@@ -90,19 +90,43 @@ inline void store_step(scalar_t* x, const Vectorized<update_acc_of<scalar_t>>& l
   }
 }
 
+// update_math.h's mul_rn, lane-wise: a * b rounded on its own. The empty asm statement takes the
+// product as an opaque register (memory for the generic vector), so the compiler cannot contract
+// it with the addition that follows into an FMA (g++ contracts vector arithmetic on an FMA target).
+template <typename acc_t>
+inline Vectorized<acc_t> vec_mul_rn(const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) {
+  Vectorized<acc_t> product = a * b;
+#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 r = product;
+    __asm__("" : "+x"(r));
+    return Vectorized<acc_t>(r);
+  } else {
+    __m256d r = product;
+    __asm__("" : "+x"(r));
+    return Vectorized<acc_t>(r);
+  }
+#elif defined(__GNUC__)
+  __asm__("" : "+m"(product));
+  return product;
+#else
+  return product;
+#endif
+}
+
 // UpdateParams in every lane.
 template <typename acc_t>
 struct VecParams {
   using VA = Vectorized<acc_t>;
   VA weight_decay, beta1, beta2, eps, one_minus_beta1, one_minus_beta2, one_minus_dampening;
   VA one_minus_one_minus_beta1;  // acc_t(1) - (1 - beta1), lerp_element's other branch
-  VA neg_lr, neg_step_size, bias_correction2_sqrt, decay, decay_factor, one_plus_decay;
+  VA neg_lr, neg_step_size, inv_bias_correction2_sqrt, decay, decay_factor, one_plus_decay;
 
   explicit VecParams(const UpdateParams<acc_t>& h)
       : weight_decay(h.weight_decay), beta1(h.beta1), beta2(h.beta2), eps(h.eps),
         one_minus_beta1(h.one_minus_beta1), one_minus_beta2(h.one_minus_beta2),
         one_minus_dampening(h.one_minus_dampening), one_minus_one_minus_beta1(acc_t(1) - h.one_minus_beta1),
-        neg_lr(-h.lr), neg_step_size(-h.step_size), bias_correction2_sqrt(h.bias_correction2_sqrt),
+        neg_lr(-h.lr), neg_step_size(-h.step_size), inv_bias_correction2_sqrt(h.inv_bias_correction2_sqrt),
         decay(h.decay), decay_factor(h.decay_factor), one_plus_decay(acc_t(1) + h.decay) {}
 };
 
@@ -128,9 +152,9 @@ inline VecElement<acc_t> vec_update_element(const UpdateParams<acc_t>& h, const 
     VA v_new = v * p.beta2 + p.one_minus_beta2 * g * g;
     if (h.amsgrad) v_new = VA::blendv(v_new, v_max, (v_max > v_new) | (v_max != v_max));  // nan_max
     e.moment2 = v_new;
-    e.root = v_new.sqrt() / p.bias_correction2_sqrt;
+    e.root = vec_mul_rn(v_new.sqrt(), p.inv_bias_correction2_sqrt);  // adam_root
     const VA adam = p.neg_step_size * (e.moment1 / (e.root + p.eps));
-    e.update = h.decoupled ? (w * p.decay_factor - w) + adam : adam;
+    e.update = h.decoupled ? (vec_mul_rn(w, p.decay_factor) - w) + adam : adam;
     return e;
   } else {
     VA d = h.weight_decay != acc_t(0) ? g + p.weight_decay * w : g;
@@ -285,17 +309,17 @@ void update_clip_chunk(const UpdateParams<update_acc_of<scalar_t>>& h, update_ac
   const bool reads_grad = rule == UpdateRule::kSGD && !buffer_update;
   const auto part = [&](const VA& gv, const VA& mv, const VA& vv) -> VA {  // applied_update_part
     if constexpr (rule == UpdateRule::kAdam) {
-      const VA root = vv.sqrt() / p.bias_correction2_sqrt;
-      return p.neg_step_size * (mv / (root + p.eps));
+      const VA root = vec_mul_rn(vv.sqrt(), p.inv_bias_correction2_sqrt);  // adam_root
+      return vec_mul_rn(p.neg_step_size, mv / (root + p.eps));
     } else {
-      if (buffer_update) return p.neg_lr * mv;
+      if (buffer_update) return vec_mul_rn(p.neg_lr, mv);
       const VA gg = h.maximize ? gv.neg() : gv;
-      return p.neg_lr * (h.beta1 != acc_t(0) ? gg + p.beta1 * mv : gg);
+      return vec_mul_rn(p.neg_lr, h.beta1 != acc_t(0) ? gg + vec_mul_rn(p.beta1, mv) : gg);
     }
   };
   const auto clipped = [&](const VA& wa, const VA& a) {  // clipped_weight
     const VA w_before = (wa - a) / p.one_plus_decay;
-    return w_before + cv * (a + p.decay * w_before);
+    return w_before + vec_mul_rn(cv, a + vec_mul_rn(p.decay, w_before));
   };
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {

@@ -5,8 +5,9 @@
 // pointer that reads as zeros. The per-element work is update_math.h's, the one arithmetic of
 // both backends; each block reads its tensor's row of the hyper-parameter table once.
 //  - UpdateStatsOp: the update the optimizer is about to apply (update_element) and its sums
-//    (UpdateElementAcc) over the item into the item's partial row; then finalize_kernel combines
-//    the rows of each tensor in order, in double, and writes its numel.
+//    (UpdateElementAcc; the non-finite counts in a second pass over a thread's elements, only
+//    where its sums are not finite) over the item into the item's partial row; then
+//    finalize_kernel combines the rows of each tensor in order, in double, and writes its numel.
 //  - UpdateClipOp: reads its tensor's coefficient first; a tensor whose coefficient is not below 1
 //    (NaN included) is left without touching its memory, else every weight becomes
 //    clipped_weight(w, applied_update_part(g, m, v)), written in place.
@@ -97,9 +98,19 @@ struct UpdateStatsOp {
     if (threadIdx.x == 0) s.store(part_f + it.prow * kNumUpdateFloatStats, part_c + it.prow * kNumUpdateCountStats);
   }
 
+  // The thread's elements in two passes, as the stats op's (stats_math.h): pass 1 the sums of
+  // squares and eps_dominated; pass 2, over the same elements, the non-finite counts, only where
+  // the thread's sums are not finite (UpdateElementAcc::add_sums).
   template <unsigned kLoaded, unsigned kMaybe>
   __device__ void stream(const UpdateParams<acc_t>& h, scalar_t* const (&x)[kUpdateLists], int n,
                          UpdateElementAcc<acc_t>& e) const {
+    stream_pass<kLoaded, kMaybe, false>(h, x, n, e);
+    if (!e.sums_finite()) stream_pass<kLoaded, kMaybe, true>(h, x, n, e);
+  }
+
+  template <unsigned kLoaded, unsigned kMaybe, bool kNonfinite>
+  __device__ void stream_pass(const UpdateParams<acc_t>& h, scalar_t* const (&x)[kUpdateLists], int n,
+                              UpdateElementAcc<acc_t>& e) const {
     const bool has_buffer = x[kMoment1List] != nullptr && ((kLoaded | kMaybe) & list_bit(kMoment1List)) != 0;
     for_each_element_of_lists<kThreads, kUpdateLists, false, kLoaded, kMaybe, scalar_t>(
         x, n, static_cast<int>(threadIdx.x), [&](const P (&p)[kUpdateLists], int k) {
@@ -107,7 +118,11 @@ struct UpdateStatsOp {
           const UpdateElement<acc_t> u =
               update_element(h, w, element(p[kGradsList], k), element(p[kMoment1List], k),
                              element(p[kMoment2List], k), element(p[kMoment2MaxList], k), has_buffer);
-          e.add(h, w, u);
+          if constexpr (kNonfinite) {
+            e.add_nonfinite(w, u);
+          } else {
+            e.add_sums(h, w, u);
+          }
         });
   }
 };
