@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gradfuse.ops import fake, reference  # noqa: F401  (fake: registers the fake kernels)
+from gradfuse.ops import fake, reference, update_reference  # noqa: F401  (fake: registers the fake kernels)
 from gradfuse.ops.layout import (  # noqa: F401
     BIN_ABOVE,
     BIN_BELOW,
@@ -154,7 +154,7 @@ def multi_tensor_update_stats(params: list[torch.Tensor], grads: list[torch.Tens
     ``[n, NUM_UPDATE_COUNT_STATS]`` (columns ``UPDATE_FLOAT_COLUMNS`` / ``UPDATE_COUNT_COLUMNS``).
     """
     if not params or not op_compiled("multi_tensor_update_stats", params[0].device):
-        return reference.multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hyper, rule)
+        return update_reference.multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hyper, rule)
     return torch.ops.gradfuse.multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hyper, rule)
 
 
@@ -166,5 +166,6 @@ def multi_tensor_update_clip_(params: list[torch.Tensor], grads: list[torch.Tens
     from the state the step left and without a copy of the weights; a coefficient >= 1 or NaN
     leaves the tensor untouched (decided on the device). Arguments as ``multi_tensor_update_stats``."""
     if not params or not op_compiled("multi_tensor_update_clip_", params[0].device):
-        return reference.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule)
+        return update_reference.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs,
+                                                          rule)
     torch.ops.gradfuse.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule)

@@ -3,7 +3,7 @@ csrc/cuda/update_ops.cuh on the several-list tables of csrc/cuda/multi_tensor.cu
 csrc/cuda/ops.h, run on the CPU by the CUDA emulation of tests/cuda_emu (see
 test_cuda_emulated.py).
 
-Each result is compared with the float64 reference (gradfuse/ops/reference.py), with a mirror
+Each result is compared with the float64 reference (gradfuse/ops/update_reference.py), with a mirror
 written here of the kernels' own arithmetic (update_math.h's operations in the same order in the
 accumulation dtype: float32 for float32, bfloat16 and float16), which the clipped weights must
 equal bitwise and the update statistics within the rounding of their summation order, and with
@@ -22,7 +22,7 @@ import pytest
 import torch
 from emu_fixtures import FMA, SANITIZED, rerun_under_sanitizers, rerun_with_fma
 
-from gradfuse.ops import reference
+from gradfuse.ops import update_reference
 
 CHUNK = 65536
 SIZES = [0, 1, 7, 33, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5]
@@ -267,7 +267,7 @@ def check_stats(emu, params, state, hyper, rule, dtype, what):
     # A build that contracts a * b + c into an FMA (nvcc's default) differs by an ulp in a few
     # products of update_element (update_math.h), within STATS_RTOL.
     assert_rows_close(got, mirror, STATS_RTOL[dtype], what + " (acc-dtype mirror)")
-    f64 = reference.multi_tensor_update_stats(params, *state, hyper, rule)
+    f64 = update_reference.multi_tensor_update_stats(params, *state, hyper, rule)
     if dtype == torch.float64:
         torch.testing.assert_close(got[0], f64[0], rtol=1e-12, atol=0, equal_nan=True,
                                    msg=what + " (float64)")
@@ -373,7 +373,7 @@ def check_clip(emu, params, state, hyper, coefs, rule, dtype, what):
     mirror = [p.clone() for p in params]
     update_clip_mirror_(mirror, *state, hyper, coefs, rule, acc_dtype(dtype))
     f64 = [p.clone() for p in params]
-    reference.multi_tensor_update_clip_(f64, *state, hyper, coefs, rule)
+    update_reference.multi_tensor_update_clip_(f64, *state, hyper, coefs, rule)
     for i, (got, m, r, before) in enumerate(zip(on_emu, mirror, f64, params)):
         if not float(coefs[i]) < 1.0:
             assert torch.equal(bits(got), bits(before)), f"{what}: params[{i}] was touched"

@@ -1,6 +1,6 @@
 """The CPU kernels of the optimizer-update ops against the float64 reference and torch.optim.
 
-multi_tensor_update_stats: every row against gradfuse.ops.reference on fresh random inputs for SGD
+multi_tensor_update_stats: every row against gradfuse.ops.update_reference on fresh random inputs for SGD
 and Adam / AdamW configurations, each dtype, both CPU builds, odd sizes, empty tensors and
 non-finite values; thread-count independence; argument errors; the update's sum of squares against
 w_after - w_before taken around a real optimizer.step(). multi_tensor_update_clip_: the clipped
@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from gradfuse.ops import library, reference
+from gradfuse.ops import library, update_reference
 from gradfuse.ops.layout import (
     EPS_DOMINATED,
     FLAG_AMSGRAD,
@@ -106,7 +106,7 @@ def make_inputs(config, sizes, dtype, seed=0):
 
 def assert_rows_match_reference(args, got):
     f, c = got
-    rf, rc = reference.multi_tensor_update_stats(*args)
+    rf, rc = update_reference.multi_tensor_update_stats(*args)
     n = len(args[0])
     assert f.dtype == torch.float64 and c.dtype == torch.int64
     assert f.shape == (n, NUM_UPDATE_FLOAT_STATS) and c.shape == (n, NUM_UPDATE_COUNT_STATS)
@@ -296,7 +296,7 @@ def test_argument_errors(op, case):
     with pytest.raises(RuntimeError, match=pattern):
         getattr(torch.ops.gradfuse, op)(*args)
     with pytest.raises(RuntimeError, match=pattern):
-        getattr(reference, op)(*args)
+        getattr(update_reference, op)(*args)
 
 
 @pytest.mark.parametrize("coefs, message", [
@@ -312,7 +312,7 @@ def test_clip_coefs_errors(coefs, message):
     with pytest.raises(RuntimeError, match=pattern):
         clip_op(params, grads, m1, m2, m2max, hyper, coefs, rule)
     with pytest.raises(RuntimeError, match=pattern):
-        reference.multi_tensor_update_clip_(params, grads, m1, m2, m2max, hyper, coefs, rule)
+        update_reference.multi_tensor_update_clip_(params, grads, m1, m2, m2max, hyper, coefs, rule)
 
 
 # ---- Against torch.optim: a real step on copies
