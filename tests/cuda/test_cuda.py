@@ -1,5 +1,5 @@
 """CUDA-only checks (skipped without a GPU): graph capture, no host sync, > 2^31 elements,
-20 000 tensors, streams, agreement with the CPU backend, bitwise repeatability."""
+20 000 tensors, streams, agreement with the CPU backend, bitwise repeatability, the optimizer-update op against the real step."""
 import math
 
 import pytest
@@ -159,3 +159,62 @@ def test_moments_match_the_float64_two_pass_without_a_host_sync():
         cpu = [t.cpu() for t in tensors]
         assert_moments_close(cpu, tuple(r.cpu() for r in got))
         assert_moments_close(cpu, tuple(r.cpu() for r in got), expected=ops.multi_tensor_moments(cpu))
+
+
+@pytest.mark.parametrize("optimizer_cls, kwargs", [
+    (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.AdamW, {"capturable": True, "lr_tensor": True}),
+    (torch.optim.Adam, {"capturable": True, "amsgrad": True, "weight_decay": 1e-2}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+], ids=["adamw_fused", "adamw_capturable_lr_tensor", "adam_capturable_amsgrad", "sgd_nesterov"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_statistics_equal_the_real_step_without_a_host_sync(optimizer_cls, kwargs, dtype):
+    """The CUDA update op against w_after - w_before of the real step, the state and the step
+    counter on the device, no host read while planning and reducing."""
+    from gradfuse.dynamics.update_plan import plan_updates
+    from gradfuse.ops.layout import UPDATE_SUMSQ
+
+    kwargs = dict(kwargs)
+    lr = torch.tensor(3e-2, device="cuda") if kwargs.pop("lr_tensor", False) else 3e-2
+    params = params_with_grads([1000, 3 * CHUNK + 5, 7], dtype=dtype)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn_like(p))
+    opt = optimizer_cls(params, lr=lr, **kwargs)
+    for _ in range(2):  # the state exists (the first step is the op's other case)
+        opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = plan_updates([opt])
+        got = rows.floats[:, UPDATE_SUMSQ]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    before = [p.detach().double().clone() for p in params]
+    opt.step()
+    after = [p.detach().double() for p in params]
+    want = torch.stack([(a - b).square().sum() for a, b in zip(after, before)])
+    assert bool((want > 0).all())
+    # The real step's w_after is rounded to the dtype: each element's update is off by up to half an
+    # ulp of w, e_i. Then |sum u^2 - sum (u + e)^2| <= 2 |u| |e| + |e|^2 (Cauchy-Schwarz).
+    e2 = torch.stack([((torch.finfo(dtype).eps / 2) * a.abs()).square().sum() for a in after])
+    bound = 2 * want.sqrt() * e2.sqrt() + e2 + 1e-5 * want
+    assert bool(((got.to(want.device) - want).abs() <= bound).all()), (got, want, bound)
+
+
+def test_update_ops_match_the_cpu_backend():
+    """The same inputs through the CUDA and CPU kernels of multi_tensor_update_stats."""
+    from gradfuse.ops.layout import HYPER_COLUMNS
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [1000, 3 * CHUNK + 5, 7, 0]
+    make = [lambda n: torch.randn(n, generator=g), lambda n: torch.randn(n, generator=g) * 0.1,
+            lambda n: torch.randn(n, generator=g) * 0.1, lambda n: torch.rand(n, generator=g) * 0.01,
+            lambda n: torch.rand(n, generator=g) * 0.02]
+    lists = [[f(n) for n in sizes] for f in make]
+    row = dict(lr=1e-3, weight_decay=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=5, flags=4 | 8)
+    hyper = torch.tensor([[float(row[c]) for c in HYPER_COLUMNS]] * len(sizes), dtype=torch.float64)
+    cpu = ops.multi_tensor_update_stats(*lists, hyper, 1)
+    cuda = ops.multi_tensor_update_stats(*[[t.cuda() for t in lst] for lst in lists], hyper.cuda(), 1)
+    torch.testing.assert_close(cuda[0].cpu(), cpu[0], rtol=1e-5, atol=0)
+    assert torch.equal(cuda[1].cpu(), cpu[1])
