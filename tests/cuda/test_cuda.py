@@ -1,5 +1,6 @@
 """CUDA-only checks (skipped without a GPU): graph capture, no host sync, > 2^31 elements,
-20 000 tensors, streams, agreement with the CPU backend, bitwise repeatability, the optimizer-update op against the real step."""
+20 000 tensors, streams, agreement with the CPU backend, bitwise repeatability, the
+optimizer-update op against the real step."""
 import math
 
 import pytest
