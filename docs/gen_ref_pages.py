@@ -36,7 +36,9 @@ TOP_GROUPS = [
       "PrometheusSink"]),
     ("Activations", "Statistics of module outputs and of the gradients with respect to them.",
      ["capture_activations", "ActivationCapture", "ActivationStats"]),
-    ("Training dynamics", "The gradient noise scale.", ["NoiseScale"]),
+    ("Training dynamics", "The gradient noise scale, and update clipping (the optimizer's update limited "
+     "per parameter); see the guide on noise scale, update statistics and update clipping.",
+     ["NoiseScale", "clip_update_rms", "UpdateClip"]),
     ("Build and backend", "What the extension was built for, and which backend runs.",
      ["backend", "build_info"]),
 ]
@@ -51,6 +53,8 @@ MODULES = [
     ("gradfuse.dynamics", "gradfuse.dynamics", None),
     ("gradfuse.viz.explain", "gradfuse.viz.explain", ["Diagnosis", "Event", "Departure", "NonFiniteOrigin",
                                                       "plot_dump", "dump_figure"]),
+    ("gradfuse.viz.updates", "gradfuse.viz.updates", ["plot_updates", "update_figure", "has_updates",
+                                                      "updates_path"]),
     ("gradfuse.monitor.flight_dump", "gradfuse.monitor.flight_dump", ["FlightDump", "write_dump", "load_dump"]),
     ("gradfuse.integrations.pytorch", "gradfuse.integrations.pytorch",
      ["Attachment", "attach", "StepGate"]),
