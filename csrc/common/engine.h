@@ -8,11 +8,15 @@
 
 #include <cmath>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "chunk_plan.h"
 #include "stats_math.h"
 #include "unit_plan.h"
+#include "update_math.h"
 
 namespace gradfuse {
 
@@ -88,6 +92,68 @@ inline at::Tensor checked_coefs(const at::Tensor& coefs, int64_t total, const at
 
 inline void check_clip_value(double v, const char* op) {
   TORCH_CHECK(v >= 0.0, op, ": clip_value must be >= 0 and not NaN, got ", v);
+}
+
+// "shape [4, 5], dtype Float on cpu[, not contiguous][, layout ...]", as the reference
+// (gradfuse/ops/update_reference.py) describes a tensor in its messages.
+inline std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape " << t.sizes() << ", dtype " << t.scalar_type() << " on " << t.device();
+  if (t.layout() == at::kStrided && !t.is_contiguous()) os << ", not contiguous";
+  if (t.layout() != at::kStrided) os << ", layout " << t.layout();
+  return os.str();
+}
+
+// The argument checks of multi_tensor_update_stats / multi_tensor_update_clip_, in the
+// reference's order and with its messages: a known rule; state lists as long as params; one
+// (device, dtype) group of dense contiguous parameters; gradients like them; state entries like
+// their parameter or empty (absent); the hyper-parameter table float64 [n, kNumHyper] on the
+// parameters' device.
+inline void check_update_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                              at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
+                              int64_t rule, const char* op) {
+  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam),
+              op, ": rule must be 0 (SGD) or 1 (Adam, AdamW), got ", rule);
+  const size_t n = params.size();
+  const std::pair<const char*, at::TensorList> lists[] = {
+      {"grads", grads}, {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
+  for (const auto& [name, list] : lists) {
+    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
+  }
+  const auto device = n ? params[0].device() : hyper.device();
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.is_contiguous(), op,
+                ": params[", i, "] must be a dense contiguous float16, bfloat16, float32 or float64 tensor, got ",
+                describe_tensor(p));
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type() && p.device() == device, op, ": params[", i, "] is ",
+                p.scalar_type(), " on ", p.device(), " but params[0] is ", params[0].scalar_type(), " on ", device);
+    for (size_t k = 0; k < 4; ++k) {
+      const auto& [name, list] = lists[k];
+      const bool may_be_absent = k > 0;
+      const at::Tensor& t = list[i];
+      if (may_be_absent && t.numel() == 0 && t.layout() == at::kStrided) continue;
+      TORCH_CHECK(t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
+                      t.device() == p.device() && t.is_contiguous(),
+                  op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
+                  " and dtype ", p.scalar_type(), " on ", p.device(), may_be_absent ? " (or empty: absent)" : "",
+                  ", got ", describe_tensor(t));
+    }
+  }
+  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
+                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
+              op, ": hyper must be a contiguous float64 [", n, ", ", static_cast<int>(kNumHyper), "] tensor on ",
+              device, ", got ", describe_tensor(hyper));
+}
+
+// multi_tensor_update_clip_'s coefficients: float64 [n] on the parameters' device (the kernels
+// read a contiguous copy).
+inline void check_update_coefs(at::TensorList params, const at::Tensor& hyper, const at::Tensor& coefs,
+                               const char* op) {
+  const auto n = static_cast<int64_t>(params.size());
+  const auto device = n ? params[0].device() : hyper.device();
+  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n && coefs.device() == device,
+              op, ": coefs must be a float64 [", n, "] tensor on ", device, ", got ", describe_tensor(coefs));
 }
 
 // ---- Inputs as the kernels of both backends see them

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -34,59 +33,19 @@ UpdateKernels update_kernels_for(const std::string& isa) {
 // Below this many bytes per thread a call runs on the calling thread (as the stats op).
 constexpr int64_t kMinBytesPerThread = 1 << 20;
 
-// "shape [4, 5], dtype Float on cpu[, not contiguous][, layout ...]", as the reference
-// (gradfuse/ops/reference.py) describes a tensor in its messages.
-std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << "shape " << t.sizes() << ", dtype " << t.scalar_type() << " on " << t.device();
-  if (t.layout() == at::kStrided && !t.is_contiguous()) os << ", not contiguous";
-  if (t.layout() != at::kStrided) os << ", layout " << t.layout();
-  return os.str();
-}
-
-// The checks of both ops (in the reference's order, with its messages); the spans of each list
-// (absent or empty tensors: {nullptr, 0}) and the chunk plan of the parameters.
+// The spans of each list of a checked call (absent or empty tensors: {nullptr, 0}) and the chunk
+// plan of the parameters.
 struct UpdateGroup {
   std::vector<Span> params, grads, moment1, moment2, moment2_max;
   ChunkPlan plan;
   int64_t bytes = 0;
 };
 
-UpdateGroup check_update_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
-                              at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
-                              int64_t rule, const char* op) {
-  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam),
-              op, ": rule must be 0 (SGD) or 1 (Adam, AdamW), got ", rule);
+UpdateGroup checked_update_group(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                                 at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
+                                 int64_t rule, const char* op) {
+  check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, op);
   const size_t n = params.size();
-  const std::pair<const char*, at::TensorList> lists[] = {
-      {"grads", grads}, {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
-  for (const auto& [name, list] : lists) {
-    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
-  }
-  const auto device = n ? params[0].device() : hyper.device();
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.is_contiguous(), op,
-                ": params[", i, "] must be a dense contiguous float16, bfloat16, float32 or float64 tensor, got ",
-                describe(p));
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type() && p.device() == device, op, ": params[", i, "] is ",
-                p.scalar_type(), " on ", p.device(), " but params[0] is ", params[0].scalar_type(), " on ", device);
-    for (size_t k = 0; k < 4; ++k) {
-      const auto& [name, list] = lists[k];
-      const bool may_be_absent = k > 0;
-      const at::Tensor& t = list[i];
-      if (may_be_absent && t.numel() == 0 && t.layout() == at::kStrided) continue;
-      TORCH_CHECK(t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
-                      t.device() == p.device() && t.is_contiguous(),
-                  op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
-                  " and dtype ", p.scalar_type(), " on ", p.device(), may_be_absent ? " (or empty: absent)" : "",
-                  ", got ", describe(t));
-    }
-  }
-  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
-                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
-              op, ": hyper must be a contiguous float64 [", n, ", ", static_cast<int>(kNumHyper), "] tensor on ",
-              device, ", got ", describe(hyper));
   UpdateGroup g;
   const int64_t elem = n ? static_cast<int64_t>(c10::elementSize(params[0].scalar_type())) : 0;
   const auto span_of = [](const at::Tensor& t) {
@@ -158,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_update_stats_cpu(at::TensorList 
                                                                  at::TensorList moment2_max, const at::Tensor& hyper,
                                                                  int64_t rule) {
   constexpr const char* kOp = "multi_tensor_update_stats";
-  const UpdateGroup g = check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, kOp);
+  const UpdateGroup g = checked_update_group(params, grads, moment1, moment2, moment2_max, hyper, rule, kOp);
   const auto n = static_cast<int64_t>(params.size());
   auto out_f = at::empty({n, kNumUpdateFloatStats}, at::dtype(at::kDouble));
   auto out_c = at::empty({n, kNumUpdateCountStats}, at::dtype(at::kLong));
@@ -186,11 +145,9 @@ void multi_tensor_update_clip_cpu(at::TensorList params, at::TensorList grads, a
                                   at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
                                   const at::Tensor& coefs, int64_t rule) {
   constexpr const char* kOp = "multi_tensor_update_clip_";
-  const UpdateGroup g = check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, kOp);
+  const UpdateGroup g = checked_update_group(params, grads, moment1, moment2, moment2_max, hyper, rule, kOp);
   const auto n = static_cast<int64_t>(params.size());
-  const auto device = n ? params[0].device() : hyper.device();
-  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n && coefs.device() == device,
-              kOp, ": coefs must be a float64 [", n, "] tensor on ", device, ", got ", describe(coefs));
+  check_update_coefs(params, hyper, coefs, kOp);
   if (n == 0 || g.plan.num_chunks() == 0) return;
   const auto dtype = params[0].scalar_type();
   const UpdateArgs args = update_args(g, hyper, dtype, rule);

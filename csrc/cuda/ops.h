@@ -191,63 +191,6 @@ at::Tensor multi_tensor_exponent_histogram_on(at::TensorList tensors) {
 
 // ---- The optimizer-update ops (update_ops.cuh)
 
-// Entry i of `list` must be a tensor like params[i]: same shape, dtype and device, contiguous;
-// `may_be_absent`: or empty (numel 0), a missing state. The messages are the CPU backend's.
-inline void check_like_param(at::TensorList list, const char* name, at::TensorList params, size_t i,
-                             bool may_be_absent, const char* op) {
-  const at::Tensor& t = list[i];
-  const at::Tensor& p = params[i];
-  TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
-  if (may_be_absent && t.numel() == 0) return;
-  const bool ok = t.layout() == at::kStrided && t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
-                  t.device() == p.device() && t.is_contiguous();
-  TORCH_CHECK(ok, op, ": ", name, "[", i, "] must be contiguous with params[", i, "]'s shape ", p.sizes(),
-              " and dtype ", p.scalar_type(), ", got shape ", t.sizes(), ", dtype ", t.scalar_type(), ", device ",
-              t.device(), t.layout() == at::kStrided && !t.is_contiguous() ? ", not contiguous" : "");
-}
-
-// The argument checks of multi_tensor_update_stats / multi_tensor_update_clip_ (op: the name
-// errors cite), as the CPU backend makes them: one (device, dtype) group of contiguous
-// parameters, gradients like them, state lists of the same length whose entries are like their
-// parameter or empty (absent), the hyper-parameter table float64 [n, kNumHyper] on the
-// parameters' device, and a known rule.
-inline void check_update_args(const char* op, c10::DeviceType device_type, at::TensorList params,
-                              at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
-                              at::TensorList moment2_max, const at::Tensor& hyper, int64_t rule) {
-  const size_t n = params.size();
-  const std::pair<const char*, at::TensorList> lists[] = {
-      {"grads", grads}, {"moment1", moment1}, {"moment2", moment2}, {"moment2_max", moment2_max}};
-  for (const auto& [name, list] : lists) {
-    TORCH_CHECK(list.size() == n, op, ": expected ", n, " ", name, " (one per params), got ", list.size());
-  }
-  TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam), op,
-              ": rule must be 0 (SGD) or 1 (Adam), got ", rule);
-  const auto device = n ? params[0].device() : c10::Device(device_type);
-  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
-                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
-              op, ": hyper must be a contiguous float64 tensor of shape [", n, ", ", static_cast<int>(kNumHyper),
-              "] on ", device, ", got shape ", hyper.sizes(), ", dtype ", hyper.scalar_type(), ", device ",
-              hyper.device(), hyper.is_contiguous() ? "" : ", not contiguous");
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& first = params[0];
-    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
-    TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.device().type() == device_type,
-                op, ": params[", i, "] must be a dense float16, bfloat16, float32 or float64 ",
-                c10::DeviceTypeName(device_type), " tensor, got ", p.layout(), " ", p.scalar_type(), " on ",
-                p.device());
-    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(), op, ": params[", i, "] is ",
-                p.scalar_type(), " on ", p.device(), " but params[0] is ", first.scalar_type(), " on ", first.device(),
-                "; call once per (device, dtype) group");
-    TORCH_CHECK(p.is_contiguous(), op, ": params[", i, "] must be contiguous, got strides ", p.strides(),
-                " for shape ", p.sizes());
-    check_like_param(grads, "grads", params, i, false, op);
-    check_like_param(moment1, "moment1", params, i, true, op);
-    check_like_param(moment2, "moment2", params, i, true, op);
-    check_like_param(moment2_max, "moment2_max", params, i, true, op);
-  }
-}
-
 // The call's tensors as five-list spans (absent state: null) and their chunk plan.
 struct UpdateGroup {
   std::vector<ListSpan<kUpdateLists>> spans;
@@ -273,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_update_stats_on(at::TensorList p
                                                                 at::TensorList moment1, at::TensorList moment2,
                                                                 at::TensorList moment2_max, const at::Tensor& hyper,
                                                                 int64_t rule) {
-  check_update_args(Device::kUpdateStatsOp, Device::kType, params, grads, moment1, moment2, moment2_max, hyper, rule);
+  check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, Device::kUpdateStatsOp);
   const auto n = static_cast<int64_t>(params.size());
   if (n == 0) {
     return {at::empty({0, kNumUpdateFloatStats}, at::dtype(at::kDouble)),
@@ -304,23 +247,19 @@ void multi_tensor_update_clip_on(at::TensorList params, at::TensorList grads, at
                                  at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
                                  const at::Tensor& coefs, int64_t rule) {
   const char* op = Device::kUpdateClipOp;
-  check_update_args(op, Device::kType, params, grads, moment1, moment2, moment2_max, hyper, rule);
+  check_update_args(params, grads, moment1, moment2, moment2_max, hyper, rule, op);
+  check_update_coefs(params, hyper, coefs, op);
   const auto n = static_cast<int64_t>(params.size());
-  const auto device = n ? params[0].device() : c10::Device(Device::kType);
-  TORCH_CHECK(coefs.scalar_type() == at::kDouble && coefs.dim() == 1 && coefs.size(0) == n &&
-                  coefs.device() == device && coefs.is_contiguous(),
-              op, ": coefs must be a contiguous float64 tensor of shape [", n, "] on ", device, ", got shape ",
-              coefs.sizes(), ", dtype ", coefs.scalar_type(), ", device ", coefs.device(),
-              coefs.is_contiguous() ? "" : ", not contiguous");
   if (n == 0) return;
   const typename Device::Guard guard(params[0].device());
   const UpdateGroup group(params, grads, moment1, moment2, moment2_max);
   if (group.plan.num_chunks() == 0) return;
+  const at::Tensor coefs_dense = coefs.contiguous();
   const auto stream = Device::stream();
   dispatch_float(params[0].scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     launch_update_clip<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule),
-                                 hyper.template data_ptr<double>(), coefs.template data_ptr<double>(), stream);
+                                 hyper.template data_ptr<double>(), coefs_dense.template data_ptr<double>(), stream);
   });
 }
 

@@ -461,30 +461,34 @@ def test_clip_touches_no_memory_of_tensors_not_clipped(emu, dtype, config):
 
 
 def test_argument_checks(emu):
+    """The emulated CUDA glue makes the checks of every backend (csrc/common/engine.h): the same
+    message as the reference for each bad argument."""
     params = [torch.randn(4, 5), torch.randn(3)]
     grads = [torch.randn(4, 5), torch.randn(3)]
     empty = [torch.empty(0), torch.empty(0)]
     rule, hyper = hyper_rows("adam", 2)
-    stats = emu.multi_tensor_update_stats
-    with pytest.raises(RuntimeError, match=r"moment1\[0\] must be contiguous with params\[0\]'s shape \[4, 5\] "
-                                           r"and dtype Float"):
-        stats(params, grads, [torch.randn(5, 4).t(), torch.empty(0)], empty, empty, hyper, rule)
-    with pytest.raises(RuntimeError, match=r"moment2\[1\] must be contiguous"):
-        stats(params, grads, empty, [torch.empty(0), torch.randn(3, dtype=torch.float64)], empty, hyper, rule)
-    with pytest.raises(RuntimeError, match=r"grads\[1\] must be contiguous"):
-        stats(params, [grads[0], torch.randn(4)], empty, empty, empty, hyper, rule)
-    with pytest.raises(RuntimeError, match=r"expected 2 moment2_max \(one per params\), got 1"):
-        stats(params, grads, empty, empty, empty[:1], hyper, rule)
-    with pytest.raises(RuntimeError, match=r"hyper must be a contiguous float64 tensor of shape \[2, 7\]"):
-        stats(params, grads, empty, empty, empty, hyper.float(), rule)
-    with pytest.raises(RuntimeError, match="rule must be 0"):
-        stats(params, grads, empty, empty, empty, hyper, 2)
-    with pytest.raises(RuntimeError, match=r"params\[1\] is Double on cpu but params\[0\] is Float"):
-        stats([params[0], params[1].double()], grads, empty, empty, empty, hyper, rule)
-    with pytest.raises(RuntimeError, match=r"params\[0\] must be contiguous"):
-        stats([torch.randn(5, 4).t(), params[1]], grads, empty, empty, empty, hyper, rule)
-    with pytest.raises(RuntimeError, match=r"coefs must be a contiguous float64 tensor of shape \[2\]"):
-        emu.multi_tensor_update_clip_(params, grads, empty, empty, empty, hyper, torch.ones(2), rule)
+    ones = torch.ones(2, dtype=torch.float64)
+    cases = {
+        "moment1 not contiguous": (params, grads, [torch.randn(5, 4).t(), torch.empty(0)], empty, empty, hyper, rule),
+        "moment2 dtype": (params, grads, empty, [torch.empty(0), torch.randn(3, dtype=torch.float64)], empty, hyper,
+                          rule),
+        "grads shape": (params, [grads[0], torch.randn(4)], empty, empty, empty, hyper, rule),
+        "moment2_max length": (params, grads, empty, empty, empty[:1], hyper, rule),
+        "hyper dtype": (params, grads, empty, empty, empty, hyper.float(), rule),
+        "rule": (params, grads, empty, empty, empty, hyper, 2),
+        "params dtype": ([params[0], params[1].double()], grads, empty, empty, empty, hyper, rule),
+        "params not contiguous": ([torch.randn(5, 4).t(), params[1]], grads, empty, empty, empty, hyper, rule),
+    }
+    clip_cases = {"coefs dtype": (params, grads, empty, empty, empty, hyper, torch.ones(2), rule)}
+    clip_cases.update({k: (*args[:6], ones, args[6]) for k, args in cases.items()})
+    for op, table in (("multi_tensor_update_stats", cases), ("multi_tensor_update_clip_", clip_cases)):
+        for case, args in table.items():
+            with pytest.raises(RuntimeError) as want:
+                getattr(update_reference, op)(*args)
+            with pytest.raises(RuntimeError) as got:
+                getattr(emu, op)(*args)
+            message = str(want.value).split(f"{op}: ", 1)[1]
+            assert f"gradfuse_emu.{op}: {message}" in str(got.value), (case, str(got.value))
 
 
 @pytest.mark.skipif(SANITIZED or FMA, reason="this is a rerun")
