@@ -11,7 +11,8 @@ import math
 
 from gradfuse.utils import require
 
-__all__ = ["FORMAT_LIMITS", "exponent_figure", "fraction_panel", "gradflow_figure", "record_figures"]
+__all__ = ["FORMAT_LIMITS", "exponent_figure", "fraction_panel", "gradflow_figure", "log_panel", "record_figures",
+           "step_edges"]
 
 
 def record_figures(records: list[dict]) -> dict:
@@ -65,6 +66,31 @@ def _cmap(name: str, lo: float, hi: float, bad: str | None = None):
     from matplotlib.colors import ListedColormap
     cmap = ListedColormap(matplotlib.colormaps[name](np.linspace(lo, hi, 256)), name=f"{name}_part")
     return cmap.with_extremes(bad=bad) if bad else cmap
+
+
+def step_edges(steps):
+    """The cell edges of a heatmap over logged ``steps`` (a sorted numpy array): midway between
+    neighbours, the first and last steps at the ends (one step: a cell of width 1)."""
+    import numpy as np
+
+    if len(steps) > 1:
+        mid = (steps[1:] + steps[:-1]) / 2
+        return np.concatenate([[steps[0]], mid, [steps[-1]]])
+    return np.array([steps[0] - 0.5, steps[0] + 0.5])
+
+
+def log_panel(fig, ax, x_edges, y_edges, values):
+    """A heatmap of positive magnitudes on a log colour scale with its colour bar beside ``ax``;
+    white where a value is zero, negative or not finite. Returns the mesh."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    positive = values[np.isfinite(values) & (values > 0)]
+    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(values > 0, values, np.nan)),
+                       norm=norm, cmap="viridis")
+    fig.colorbar(im, ax=ax, pad=0.01).ax.tick_params(labelsize=FONT["tick"])
+    return im
 
 
 def fraction_panel(fig, ax, x_edges, y_edges, values, what: str, cax=None):

@@ -42,9 +42,8 @@ def activation_figure(records: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.colors import LogNorm
 
-    from gradfuse.monitor.figures import FONT, fraction_panel
+    from gradfuse.monitor.figures import FONT, fraction_panel, log_panel, step_edges
 
     by_step = {}
     for r in records:
@@ -53,11 +52,7 @@ def activation_figure(records: list[dict]):
     records = [by_step[k] for k in sorted(by_step)]
     steps = np.array([r["step"] for r in records], float)
     layers = list(dict.fromkeys(name for r in records for name in r["act"]))
-    if len(steps) > 1:
-        mid = (steps[1:] + steps[:-1]) / 2
-        x_edges = np.concatenate([[steps[0]], mid, [steps[-1]]])
-    else:
-        x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    x_edges = step_edges(steps)
     y_edges = np.arange(len(layers) + 1) - 0.5
 
     def grid(kind, key):
@@ -81,11 +76,7 @@ def activation_figure(records: list[dict]):
     for ax, (kind, key, title, fraction) in zip(axes, panels):
         g = grid(kind, key)
         if fraction is None:
-            positive = g[np.isfinite(g) & (g > 0)]
-            norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
-            im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(g > 0, g, np.nan)),
-                               norm=norm, cmap="viridis")
-            fig.colorbar(im, ax=ax, pad=0.01).ax.tick_params(labelsize=FONT["tick"])
+            log_panel(fig, ax, x_edges, y_edges, g)
         else:
             fraction_panel(fig, ax, x_edges, y_edges, g, fraction)
             top = np.nanmax(g) if np.isfinite(g).any() else 0

@@ -50,20 +50,15 @@ def update_figure(records: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.colors import LogNorm
 
-    from gradfuse.monitor.figures import FONT, fraction_panel
+    from gradfuse.monitor.figures import FONT, fraction_panel, log_panel, step_edges
 
     by_step = {r["step"]: r for r in records if has_updates([r])}
     records = [by_step[k] for k in sorted(by_step)]
     panels = [p for p in PANELS if any(r.get(p[0]) for r in records)]
     steps = np.array([r["step"] for r in records], float)
     layers = list(dict.fromkeys(name for r in records for key, _, _ in panels for name in r.get(key) or {}))
-    if len(steps) > 1:
-        mid = (steps[1:] + steps[:-1]) / 2
-        x_edges = np.concatenate([[steps[0]], mid, [steps[-1]]])
-    else:
-        x_edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    x_edges = step_edges(steps)
     y_edges = np.arange(len(layers) + 1) - 0.5
     height = max(len(layers), 3)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.26 * height * len(panels)), sharex=True,
@@ -76,11 +71,7 @@ def update_figure(records: list[dict]):
                 if value is not None:
                     g[i, j] = value
         if fraction is None:
-            positive = g[np.isfinite(g) & (g > 0)]
-            norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
-            im = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(g > 0, g, np.nan)),
-                               norm=norm, cmap="viridis")
-            fig.colorbar(im, ax=ax, pad=0.01).ax.tick_params(labelsize=FONT["tick"])
+            log_panel(fig, ax, x_edges, y_edges, g)
         else:
             fraction_panel(fig, ax, x_edges, y_edges, g, fraction)
         ax.set_yticks(range(len(layers)), layers, fontsize=FONT["tick"])

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import gradfuse
-from gradfuse import ops
 from gradfuse.dynamics.update_plan import plan_updates
 from gradfuse.sinks import metrics
 
@@ -28,17 +27,6 @@ CONFIGS = {
 SHAPES = [(16, 12), (16,), (37, 29), (3,), (8, 8)]
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
-
-def backends():
-    have = ops.library.OP_KERNELS.get(("multi_tensor_update_clip_", "cpu"), False)
-    return ["compiled", "reference"] if have else ["reference"]
-
-
-@pytest.fixture(params=backends())
-def backend(request, monkeypatch):
-    if request.param == "reference":
-        monkeypatch.setattr(ops, "op_compiled", lambda name, device: False)
-    return request.param
 
 
 def spacing(t: torch.Tensor) -> torch.Tensor:

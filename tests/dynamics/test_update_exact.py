@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from gradfuse import ops
 from gradfuse.dynamics.update_plan import plan_updates
 from gradfuse.ops.layout import (
     EPS_DOMINATED,
@@ -61,17 +60,6 @@ LR = {torch.float32: (0.05, 1e-2), torch.bfloat16: (0.5, 0.1), torch.float16: (0
 # exp_avg_sq, its sqrt, the division, eps added), the op keeps them in float32.
 UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
-
-def backends():
-    have = ops.library.OP_KERNELS.get(("multi_tensor_update_stats", "cpu"), False)
-    return ["compiled", "reference"] if have else ["reference"]
-
-
-@pytest.fixture(params=backends())
-def backend(request, monkeypatch):
-    if request.param == "reference":
-        monkeypatch.setattr(ops, "op_compiled", lambda name, device: False)
-    return request.param
 
 
 def make_optimizer(name, params, dtype):
