@@ -57,6 +57,19 @@ TORCH_LIBRARY(gradfuse, m) {
   // coefficient is not below 1 (NaN included) are not touched (decided on the device).
   m.def("multi_tensor_update_clip_(Tensor(a!)[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
         "Tensor[] moment2_max, Tensor hyper, Tensor coefs, int rule) -> ()");
+  // The optimizer's step itself (common/step_math.h): torch's SGD (rule 0) or Adam/AdamW (rule 1)
+  // step of every tensor, bit for bit, in one pass: weights and state updated in place from the
+  // gradients, with the table coefs (float64 [n, 12], on the device) holding the scalars torch
+  // forms in Python. torch_threads: the thread count of the torch step reproduced (a 16-bit
+  // `add` rounds differently in torch's scalar tails; 0: none). Optional, each on the device and
+  // never read by the host on a GPU: grad_scale (every gradient times it as read, rounded to its
+  // dtype, as a scaling pass before the step would), skip (nonzero: nothing is written), update_coefs (float64 [n]: tensor i's update
+  // times update_coefs[i] where that is below 1). stats: also the update-statistics rows of
+  // multi_tensor_update_stats (else [0, k]); write=False: the statistics only.
+  m.def("multi_tensor_optim_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] moment1, "
+        "Tensor(c!)[] moment2, Tensor(d!)[] moment2_max, Tensor coefs, int rule, int torch_threads, "
+        "Tensor? grad_scale=None, Tensor? skip=None, Tensor? update_coefs=None, bool stats=False, "
+        "bool write=True) -> (Tensor, Tensor)");
 }
 
 namespace gradfuse::watch {

@@ -31,6 +31,7 @@ LAYERS = [
     (0, "gradfuse._C"), (0, "gradfuse._build_record"), (0, "gradfuse.ops"), (0, "gradfuse.utils"),
     (1, "gradfuse.core"),
     (2, "gradfuse.clip"), (2, "gradfuse.numerics"), (2, "gradfuse.activations"), (2, "gradfuse.dynamics"),
+    (2, "gradfuse.optim"),
     (3, "gradfuse.functional"),
     (4, "gradfuse.monitor"),
     (5, "gradfuse.viz"),

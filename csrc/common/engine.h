@@ -15,6 +15,7 @@
 
 #include "chunk_plan.h"
 #include "stats_math.h"
+#include "step_math.h"
 #include "unit_plan.h"
 #include "update_math.h"
 
@@ -109,9 +110,9 @@ inline std::string describe_tensor(const at::Tensor& t) {
 // (device, dtype) group of dense contiguous parameters; gradients like them; state entries like
 // their parameter or empty (absent); the hyper-parameter table float64 [n, kNumHyper] on the
 // parameters' device.
-inline void check_update_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
-                              at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
-                              int64_t rule, const char* op) {
+inline void check_update_lists(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                               at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& table,
+                               int64_t rule, const char* op) {
   TORCH_CHECK(rule == static_cast<int64_t>(UpdateRule::kSGD) || rule == static_cast<int64_t>(UpdateRule::kAdam),
               op, ": rule must be 0 (SGD) or 1 (Adam, AdamW), got ", rule);
   const size_t n = params.size();
@@ -120,7 +121,7 @@ inline void check_update_args(at::TensorList params, at::TensorList grads, at::T
   for (const auto& [name, list] : lists) {
     TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but params has ", n);
   }
-  const auto device = n ? params[0].device() : hyper.device();
+  const auto device = n ? params[0].device() : table.device();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.layout() == at::kStrided && is_supported_float(p.scalar_type()) && p.is_contiguous(), op,
@@ -140,10 +141,57 @@ inline void check_update_args(at::TensorList params, at::TensorList grads, at::T
                   ", got ", describe_tensor(t));
     }
   }
-  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == static_cast<int64_t>(n) &&
-                  hyper.size(1) == kNumHyper && hyper.device() == device && hyper.is_contiguous(),
-              op, ": hyper must be a contiguous float64 [", n, ", ", static_cast<int>(kNumHyper), "] tensor on ",
-              device, ", got ", describe_tensor(hyper));
+}
+
+// A per-tensor table of float64 [n, columns] on the parameters' device.
+inline void check_table(at::TensorList params, const at::Tensor& table, int64_t columns, const char* name,
+                        const char* op) {
+  const auto n = static_cast<int64_t>(params.size());
+  const auto device = n ? params[0].device() : table.device();
+  TORCH_CHECK(table.scalar_type() == at::kDouble && table.dim() == 2 && table.size(0) == n &&
+                  table.size(1) == columns && table.device() == device && table.is_contiguous(),
+              op, ": ", name, " must be a contiguous float64 [", n, ", ", columns, "] tensor on ", device, ", got ",
+              describe_tensor(table));
+}
+
+inline void check_update_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                              at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& hyper,
+                              int64_t rule, const char* op) {
+  check_update_lists(params, grads, moment1, moment2, moment2_max, hyper, rule, op);
+  check_table(params, hyper, kNumHyper, "hyper", op);
+}
+
+// The arguments of multi_tensor_optim_step_: the lists as the update ops take them, with Adam's
+// two moments present for every non-empty parameter; the table float64 [n, kNumStepCoefs]; a
+// gradient scale and a skip flag of one element each, and update coefficients float64 [n], all
+// on the parameters' device where given.
+inline void check_step_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
+                            at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& coefs,
+                            int64_t rule, const std::optional<at::Tensor>& grad_scale,
+                            const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& update_coefs,
+                            const char* op) {
+  check_update_lists(params, grads, moment1, moment2, moment2_max, coefs, rule, op);
+  check_table(params, coefs, kNumStepCoefs, "coefs", op);
+  const auto n = static_cast<int64_t>(params.size());
+  const auto device = n ? params[0].device() : coefs.device();
+  if (rule == static_cast<int64_t>(UpdateRule::kAdam)) {
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(params[i].numel() == 0 || (moment1[i].numel() > 0 && moment2[i].numel() > 0), op,
+                  ": Adam's step needs moment1[", i, "] and moment2[", i, "] (exp_avg, exp_avg_sq), got ",
+                  describe_tensor(moment1[i]), " and ", describe_tensor(moment2[i]));
+    }
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>&>{"grad_scale", grad_scale},
+                                {"skip", skip}}) {
+    TORCH_CHECK(!t.has_value() || (t->numel() == 1 && t->device() == device), op, ": ", name,
+                " must be a one-element tensor on ", device, ", got ", describe_tensor(*t));
+  }
+  TORCH_CHECK(!grad_scale.has_value() || at::isFloatingType(grad_scale->scalar_type()), op,
+              ": grad_scale must be a floating-point tensor, got ", describe_tensor(*grad_scale));
+  TORCH_CHECK(!update_coefs.has_value() || (update_coefs->scalar_type() == at::kDouble && update_coefs->dim() == 1 &&
+                                            update_coefs->size(0) == n && update_coefs->device() == device),
+              op, ": update_coefs must be a float64 [", n, "] tensor on ", device, ", got ",
+              describe_tensor(*update_coefs));
 }
 
 // multi_tensor_update_clip_'s coefficients: float64 [n] on the parameters' device (the kernels

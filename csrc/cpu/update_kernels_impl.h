@@ -26,6 +26,7 @@
 #include "../common/chunk_plan.h"
 #include "../common/update_math.h"
 #include "update_kernels.h"
+#include "vec_lanes.h"
 
 namespace gradfuse::cpu::CPU_CAPABILITY {
 namespace {
@@ -88,30 +89,6 @@ inline void store_step(scalar_t* x, const Vectorized<update_acc_of<scalar_t>>& l
   } else {
     at::vec::convert_from_float<scalar_t>(lo, hi).store(x);
   }
-}
-
-// update_math.h's mul_rn, lane-wise: a * b rounded on its own. The empty asm statement takes the
-// product as an opaque register (memory for the generic vector), so the compiler cannot contract
-// it with the addition that follows into an FMA (g++ contracts vector arithmetic on an FMA target).
-template <typename acc_t>
-inline Vectorized<acc_t> vec_mul_rn(const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) {
-  Vectorized<acc_t> product = a * b;
-#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    __m256 r = product;
-    __asm__("" : "+x"(r));
-    return Vectorized<acc_t>(r);
-  } else {
-    __m256d r = product;
-    __asm__("" : "+x"(r));
-    return Vectorized<acc_t>(r);
-  }
-#elif defined(__GNUC__)
-  __asm__("" : "+m"(product));
-  return product;
-#else
-  return product;
-#endif
 }
 
 // UpdateParams in every lane.
@@ -187,24 +164,6 @@ struct VecSumSq {
     moment2 = moment2 + o.moment2;
   }
 };
-
-template <typename acc_t>
-inline acc_t lane_sum(const Vectorized<acc_t>& v) {
-  acc_t b[Vectorized<acc_t>::size()];
-  v.store(b);
-  acc_t t = 0;
-  for (int i = 0; i < Vectorized<acc_t>::size(); ++i) t += b[i];  // in lane order
-  return t;
-}
-
-template <typename acc_t>
-inline int64_t lane_count(const Vectorized<acc_t>& v) {
-  acc_t b[Vectorized<acc_t>::size()];
-  v.store(b);
-  int64_t t = 0;
-  for (int i = 0; i < Vectorized<acc_t>::size(); ++i) t += static_cast<int64_t>(b[i]);  // exact: <= 2^24
-  return t;
-}
 
 // The vector part of one chunk of the stats op: its first elements, a multiple of kUpdateStep,
 // into s; returns how many. kCounts: also the non-finite counts. Without them (the first pass)

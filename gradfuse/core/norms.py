@@ -72,3 +72,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torc
     ``norm``, on its device; elementwise for a tensor of norms (NaN stays NaN)."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
+
+
+def rms_limit_coefficient(sumsq: torch.Tensor, numel: torch.Tensor, max_rms: float) -> torch.Tensor:
+    """Adafactor's update clipping coefficient ``min(1, max_rms / rms)``, ``rms = sqrt(sumsq /
+    numel)``, elementwise in float64 on the rows' device (NaN for an empty or non-finite row,
+    which then stays unclipped)."""
+    return torch.clamp(max_rms / (sumsq.to(torch.float64) / numel.to(torch.float64)).sqrt(), max=1.0)

@@ -23,13 +23,15 @@ import math
 
 import torch
 
+from gradfuse.core.norms import rms_limit_coefficient
 from gradfuse.dynamics.update_plan import UpdateRows, clip_applied_updates_, plan_updates, unavailable_reason
+from gradfuse.ops.layout import UPDATE_NUMEL, UPDATE_SUMSQ
 
 
 def update_coefs(rows: UpdateRows, max_rms: float) -> torch.Tensor:
     """``min(1, max_rms / rms(u))`` per row of ``rows`` (float64, on the rows' device; NaN for
     an update that is not finite or an empty parameter: such a parameter is left alone)."""
-    return torch.clamp(max_rms / rows.rms(), max=1.0)
+    return rms_limit_coefficient(rows.floats[:, UPDATE_SUMSQ], rows.counts[:, UPDATE_NUMEL], max_rms)
 
 
 class UpdateClip:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gradfuse.ops import fake, reference, update_reference  # noqa: F401  (fake: registers the fake kernels)
+from gradfuse.ops import fake, reference, step_reference, update_reference  # noqa: F401  (fake: registers the fake kernels)
 from gradfuse.ops.layout import (  # noqa: F401
     BIN_ABOVE,
     BIN_BELOW,
@@ -169,3 +169,33 @@ def multi_tensor_update_clip_(params: list[torch.Tensor], grads: list[torch.Tens
         return update_reference.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs,
                                                           rule)
     torch.ops.gradfuse.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs, rule)
+
+
+# ---- The optimizer's step itself (csrc/common/step_math.h).
+
+def multi_tensor_optim_step_(params: list[torch.Tensor], grads: list[torch.Tensor], moment1: list[torch.Tensor],
+                             moment2: list[torch.Tensor], moment2_max: list[torch.Tensor], coefs: torch.Tensor,
+                             rule: int, torch_threads: int = 0, grad_scale: torch.Tensor | None = None,
+                             skip: torch.Tensor | None = None, update_coefs: torch.Tensor | None = None,
+                             stats: bool = False, write: bool = True):
+    """torch.optim.SGD's (``RULE_SGD``) or Adam / AdamW's (``RULE_ADAM``) step of every parameter of
+    one (device, dtype) group, in place and bit for bit as torch's own step, in one pass that reads
+    weight, gradient and state once and writes them once, with no host synchronisation.
+
+    ``moment1`` / ``moment2`` / ``moment2_max``: the state, as ``multi_tensor_update_stats`` takes
+    it (Adam's two moments must be present; SGD's buffer is written on its first step).
+    ``coefs``: float64 ``[n, NUM_STEP_COEFS]`` on the device (columns ``STEP_COLUMNS``), the
+    scalars torch's step forms in Python. ``torch_threads``: torch's thread count for the step
+    being reproduced (a 16-bit ``add`` with alpha rounds differently in torch's scalar tails;
+    0: none). Optional, each on the device: ``grad_scale`` multiplies every gradient as it is read
+    (rounded to its dtype, as a scaling pass would; ``p.grad`` itself is not changed), ``skip``
+    (nonzero: nothing is written), ``update_coefs`` (float64 ``[n]``: the update of parameter i
+    times ``update_coefs[i]`` where that is below 1). ``stats``: also returns the rows of
+    ``multi_tensor_update_stats`` for this step (else ``[0, k]`` tensors); ``write=False``: the
+    rows only, nothing written.
+    """
+    if not params or not op_compiled("multi_tensor_optim_step_", params[0].device):
+        return step_reference.multi_tensor_optim_step_(params, grads, moment1, moment2, moment2_max, coefs, rule,
+                                                       torch_threads, grad_scale, skip, update_coefs, stats, write)
+    return torch.ops.gradfuse.multi_tensor_optim_step_(params, grads, moment1, moment2, moment2_max, coefs, rule,
+                                                       torch_threads, grad_scale, skip, update_coefs, stats, write)

@@ -68,6 +68,13 @@ def _update_clip_fake(params, grads, moment1, moment2, moment2_max, hyper, coefs
     return None
 
 
+def _optim_step_fake(params, grads, moment1, moment2, moment2_max, coefs, rule, torch_threads, grad_scale=None,
+                     skip=None, update_coefs=None, stats=False, write=True):
+    n = len(params) if stats else 0
+    return (coefs.new_empty((n, NUM_UPDATE_FLOAT_STATS), dtype=torch.float64),
+            coefs.new_empty((n, NUM_UPDATE_COUNT_STATS), dtype=torch.int64))
+
+
 FAKES = {
     "multi_tensor_stats": _stats_fake,
     "multi_tensor_moments": _moments_fake,
@@ -78,6 +85,7 @@ FAKES = {
     "multi_tensor_exponent_histogram": _histogram_fake,
     "multi_tensor_update_stats": _update_stats_fake,
     "multi_tensor_update_clip_": _update_clip_fake,
+    "multi_tensor_optim_step_": _optim_step_fake,
 }
 
 if extension is not None:

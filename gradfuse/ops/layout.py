@@ -116,6 +116,19 @@ FLAG_DECOUPLED = 8
 RULE_SGD = 0
 RULE_ADAM = 1
 
+# The table of the fused optimizer step (``multi_tensor_optim_step_``): float64
+# ``[n, len(STEP_COLUMNS)]``, one row per parameter, on the parameters' device, holding the scalars
+# torch's step forms in Python (``csrc/common/step_math.h``, ``StepCoef``); ``flags`` holds the
+# ``STEP_*`` bits as a float64 integer.
+STEP_COLUMNS = ("weight_decay", "momentum", "damp_alpha", "neg_lr", "lerp_weight", "beta2", "one_minus_beta2",
+                "bc2_sqrt", "eps", "neg_step_size", "decay_factor", "flags")
+NUM_STEP_COEFS = len(STEP_COLUMNS)
+STEP_MAXIMIZE = 1
+STEP_NESTEROV = 2
+STEP_AMSGRAD = 4
+STEP_DECOUPLED = 8
+STEP_FIRST = 16  # SGD: no momentum buffer yet
+
 NUM_BINS = 283
 BIN_BELOW = 0
 BIN_ZERO = 1

@@ -142,7 +142,7 @@ def _registered(name: str, key: str) -> bool:
 
 OP_NAMES = ("multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats",
             "multi_tensor_unit_scale_", "multi_tensor_clamp_", "multi_tensor_exponent_histogram",
-            "multi_tensor_update_stats", "multi_tensor_update_clip_")
+            "multi_tensor_update_stats", "multi_tensor_update_clip_", "multi_tensor_optim_step_")
 # Looked up once (a plain dict keeps the hot path traceable by torch.compile): whether the
 # extension has a kernel for each (op, device type). KERNELS[device type]: for the stats op,
 # which every build has.

@@ -46,19 +46,20 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _describe(t: torch.Tensor) -> str:
+def describe(t: torch.Tensor) -> str:
+    """A tensor as the compiled ops' messages describe it (``describe_tensor`` in engine.h)."""
     layout = "" if t.layout == torch.strided else f", layout {t.layout}"
     return (f"shape {_shape(t)}, dtype {_dtype_name(t.dtype)} on {t.device}"
             f"{'' if t.is_contiguous() else ', not contiguous'}{layout}")
 
 
 def check_update_inputs(op: str, params, grads, moment1, moment2, moment2_max, hyper: torch.Tensor,
-                        coefs: torch.Tensor | None = None) -> None:
+                        coefs: torch.Tensor | None = None, table: tuple[str, int] = ("hyper", NUM_HYPER)) -> None:
     """Raises RuntimeError unless the arguments of an update op are as its contract says
     (csrc/common/update_math.h, the schemas in csrc/gradfuse.cpp): one (device, dtype) group of
     dense contiguous float tensors, state lists of the same length whose entries are empty (absent)
-    or match their parameter, a float64 ``[n, NUM_HYPER]`` table and float64 ``[n]`` coefficients
-    on the parameters' device."""
+    or match their parameter, a float64 ``[n, NUM_HYPER]`` table (``table``: its name and columns
+    where another op's) and float64 ``[n]`` coefficients on the parameters' device."""
     n = len(params)
     for name, ts in (("grads", grads), ("moment1", moment1), ("moment2", moment2), ("moment2_max", moment2_max)):
         if len(ts) != n:
@@ -67,7 +68,7 @@ def check_update_inputs(op: str, params, grads, moment1, moment2, moment2_max, h
     for i, p in enumerate(params):
         if p.layout != torch.strided or p.dtype not in KERNEL_DTYPES or not p.is_contiguous():
             raise RuntimeError(f"{op}: params[{i}] must be a dense contiguous float16, bfloat16, float32 or "
-                               f"float64 tensor, got {_describe(p)}")
+                               f"float64 tensor, got {describe(p)}")
         if p.dtype != params[0].dtype or p.device != device:
             raise RuntimeError(f"{op}: params[{i}] is {_dtype_name(p.dtype)} on {p.device} but params[0] is "
                                f"{_dtype_name(params[0].dtype)} on {device}")
@@ -80,16 +81,18 @@ def check_update_inputs(op: str, params, grads, moment1, moment2, moment2_max, h
                     or not t.is_contiguous()):
                 raise RuntimeError(f"{op}: {name}[{i}] must be contiguous with params[{i}]'s shape {_shape(p)} "
                                    f"and dtype {_dtype_name(p.dtype)} on {p.device}"
-                                   f"{' (or empty: absent)' if may_be_empty else ''}, got {_describe(t)}")
-    if (hyper.dtype != torch.float64 or tuple(hyper.shape) != (n, NUM_HYPER) or hyper.device != device
+                                   f"{' (or empty: absent)' if may_be_empty else ''}, got {describe(t)}")
+    name, columns = table
+    if (hyper.dtype != torch.float64 or tuple(hyper.shape) != (n, columns) or hyper.device != device
             or not hyper.is_contiguous()):
-        raise RuntimeError(f"{op}: hyper must be a contiguous float64 [{n}, {NUM_HYPER}] tensor on {device}, "
-                           f"got {_describe(hyper)}")
+        raise RuntimeError(f"{op}: {name} must be a contiguous float64 [{n}, {columns}] tensor on {device}, "
+                           f"got {describe(hyper)}")
     if coefs is not None and (coefs.dtype != torch.float64 or tuple(coefs.shape) != (n,) or coefs.device != device):
-        raise RuntimeError(f"{op}: coefs must be a float64 [{n}] tensor on {device}, got {_describe(coefs)}")
+        raise RuntimeError(f"{op}: coefs must be a float64 [{n}] tensor on {device}, got {describe(coefs)}")
 
 
-def _check_rule(op: str, rule: int) -> int:
+def check_rule(op: str, rule: int) -> int:
+    """``rule`` as an int, or the compiled ops' RuntimeError for an unknown one."""
     rule = int(rule)
     if rule not in (RULE_SGD, RULE_ADAM):
         raise RuntimeError(f"{op}: rule must be {RULE_SGD} (SGD) or {RULE_ADAM} (Adam, AdamW), got {rule}")
@@ -180,7 +183,7 @@ def multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hype
         ``[n, NUM_UPDATE_COUNT_STATS]``, columns as ``UPDATE_FLOAT_COLUMNS`` / ``UPDATE_COUNT_COLUMNS``.
     """
     op = "multi_tensor_update_stats"
-    rule = _check_rule(op, rule)
+    rule = check_rule(op, rule)
     check_update_inputs(op, params, grads, moment1, moment2, moment2_max, hyper)
     device = params[0].device if params else hyper.device
     if not params:
@@ -213,7 +216,7 @@ def multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hype
     again from the weight, the gradient and the state the step left (``moment2_max`` with amsgrad,
     else ``moment2``), without a copy of the weights."""
     op = "multi_tensor_update_clip_"
-    rule = _check_rule(op, rule)
+    rule = check_rule(op, rule)
     check_update_inputs(op, params, grads, moment1, moment2, moment2_max, hyper, coefs)
     for i, p in enumerate(params):
         if p.numel() == 0:

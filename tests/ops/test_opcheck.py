@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from gradfuse.ops import library
+from gradfuse.optim.table import adam_row, sgd_row
 
 pytestmark = pytest.mark.skipif(library.extension is None, reason="gradfuse._C not built")
 
 OPS = ["multi_tensor_stats", "multi_tensor_moments", "multi_tensor_scale_", "multi_tensor_unit_stats",
        "multi_tensor_unit_scale_",
        "multi_tensor_clamp_", "multi_tensor_exponent_histogram", "multi_tensor_update_stats",
-       "multi_tensor_update_clip_"]
+       "multi_tensor_update_clip_", "multi_tensor_optim_step_"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 # (rows, cols) of each tensor of a case; the unit ops cut tensor i into `rows` units.
@@ -68,7 +69,40 @@ def op_args(name, tensors, device):
         return [(tensors,)]
     if name in ("multi_tensor_update_stats", "multi_tensor_update_clip_"):
         return update_op_args(name, tensors, device)
+    if name == "multi_tensor_optim_step_":
+        return step_op_args(tensors, device)
     raise AssertionError(name)
+
+
+def step_op_args(tensors, device):
+    """Calls of the fused optimizer step (weights, state and flags as the optimizers pass them),
+    with `tensors` as the weights or the gradients; an infinite value only where the step stays
+    free of NaN (plain SGD)."""
+    g = torch.Generator().manual_seed(len(tensors))
+    like = [(torch.randn(t.shape, generator=g, dtype=torch.float64) * 0.5).to(t.dtype).to(device) for t in tensors]
+    pos = [x.abs() * 0.1 for x in like]
+    absent = [t.new_empty(0) for t in tensors]
+    n = len(tensors)
+    finite = all(bool(t.isfinite().all()) for t in tensors)
+
+    def table(row):
+        return torch.tensor([row] * n, dtype=torch.float64, device=device).reshape(n, len(row))
+
+    adam = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, maximize=False, amsgrad=True)
+    adamw = table(adam_row(adam, 3.0, True))
+    sgd = table(sgd_row(dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2, nesterov=True,
+                             maximize=False), False))
+    plain = table(sgd_row(dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                               maximize=False), False))
+    half = torch.tensor(0.5, device=device)
+    coefs = torch.linspace(0.25, 1.5, n, dtype=torch.float64, device=device)
+    return [([x.clone() for x in like], like, [x.clone() for x in like], [x.clone() for x in pos],
+             [x * 2 for x in pos], adamw, 1, 2, half, None, coefs, True, True),
+            ([x.clone() for x in like], like, [x.clone() for x in like], [x.clone() for x in pos],
+             [x * 2 for x in pos], adamw, 1, 0, None, torch.tensor(True, device=device), None, True, True),
+            ([t.clone() for t in tensors] if not finite else [x.clone() for x in like], like,
+             absent if not finite else [x.clone() for x in like], absent, absent, plain if not finite else sgd, 0, 2,
+             None, None, None, False, True)]
 
 
 def update_op_args(name, tensors, device):

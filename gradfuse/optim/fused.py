@@ -1,0 +1,214 @@
+"""The fused step shared by ``gradfuse.optim.SGD``, ``Adam`` and ``AdamW``: one
+``multi_tensor_optim_step_`` call per (device, dtype) of the parameters with gradients, the state
+made as torch makes it, the step counters advanced as torch advances them.
+
+Layer: optim. Imports ``gradfuse.ops`` and ``gradfuse.core``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradfuse import ops
+from gradfuse.core.distributed import local_tensor
+from gradfuse.core.norms import rms_limit_coefficient
+from gradfuse.ops.layout import RULE_ADAM, RULE_SGD, UPDATE_NUMEL, UPDATE_SUMSQ
+from gradfuse.optim.table import adam_row, sgd_row
+
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``like``'s dtype and device: an absent state entry."""
+    key = (like.device, like.dtype)
+    t = _EMPTY.get(key)
+    if t is None:
+        t = _EMPTY[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+    return t
+
+
+@dataclass
+class StepRows:
+    """The update-statistics rows of one (device, dtype) group of a fused step: ``floats`` /
+    ``counts`` as ``gradfuse.ops.multi_tensor_update_stats`` returns them, one row per parameter
+    of ``params``, on the parameters' device (never read by the step)."""
+
+    params: list[torch.Tensor]
+    floats: torch.Tensor
+    counts: torch.Tensor
+
+
+def refuse_unsupported(optimizer, group: dict) -> None:
+    """Raises ValueError, naming the setting, for what the fused step does not do (when the
+    optimizer or a parameter group is made)."""
+    name = f"gradfuse.optim.{type(optimizer).__name__}"
+    if group.get("differentiable", False):
+        raise ValueError(f"{name}: differentiable=True is not supported (the fused step is not recorded by "
+                         f"autograd); use torch.optim.{type(optimizer).__mro__[2].__name__}")
+    if group.get("fused", False):
+        raise ValueError(f"{name}: fused=True selects torch's own fused kernel, whose results differ from the "
+                         f"default step; {name} is fused already and gives the default step's results: leave "
+                         "fused unset")
+    if group.get("capturable", False):
+        raise ValueError(f"{name}: capturable=True is not supported yet: its step counters live on the device, "
+                         "and the fused step reads them on the host")
+    for key in ("betas", "lr", "weight_decay", "momentum", "dampening", "eps"):
+        value = group.get(key)
+        values = value if isinstance(value, tuple) else (value,)
+        if key != "lr" and any(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"{name}: {key} as a tensor is not supported (only lr may be a tensor)")
+    for i, p in enumerate(group["params"]):
+        if p.is_complex():
+            raise ValueError(f"{name}: parameter {i} of its group is complex ({p.dtype}); the fused step takes "
+                             "float16, bfloat16, float32 and float64 parameters")
+        if not p.is_floating_point():
+            raise ValueError(f"{name}: parameter {i} of its group is {p.dtype}, not a floating-point tensor")
+
+
+class _Lists:
+    """The op's arguments for one (device, dtype) group, gathered parameter by parameter."""
+
+    def __init__(self):
+        self.params, self.grads, self.m, self.v, self.v_max, self.rows = [], [], [], [], [], []
+        self.users: list[torch.Tensor] = []  # the parameters as the user holds them (DTensor or not)
+        self.originals: list[torch.Tensor] = []  # a copied parameter's own weight and state
+
+
+def _is_kernel_layout(p: torch.Tensor, tensors) -> bool:
+    """Whether the kernels can take ``p`` with ``tensors`` (its gradient and state): dense,
+    contiguous, all of one shape."""
+    return p.is_contiguous() and all(t.numel() == 0 or (t.is_contiguous() and t.shape == p.shape) for t in tensors)
+
+
+def _sgd_lists(optimizer, groups: dict, slow: list):
+    for group in optimizer.param_groups:
+        momentum = group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = _grad_of(optimizer, p)
+            buf = None
+            first = False
+            if momentum != 0:
+                state = optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    first = True
+                    buf = state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+            row = sgd_row(group, first)
+            _add(groups, slow, p, g, buf, None, None, row)
+
+
+def _adam_lists(optimizer, groups: dict, slow: list):
+    decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        decoupled = group.get("decoupled_weight_decay", decoupled_default)
+        steps, members = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = _grad_of(optimizer, p)
+            state = optimizer.state[p]
+            if len(state) == 0:  # as torch's Adam._init_group
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps.append(state["step"])
+            members.append((p, g, state))
+        if not members:
+            continue
+        torch._foreach_add_(steps, 1)  # step_t += 1, on the counters' own device (the CPU: no wait)
+        values = torch.stack([s.reshape(()).to("cpu", torch.float64) for s in steps]).tolist()
+        rows: dict[float, list[float]] = {}
+        for (p, g, state), step in zip(members, values):
+            row = rows.get(step)
+            if row is None:
+                row = rows[step] = adam_row(group, step, decoupled)
+            _add(groups, slow, p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), row)
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _grad_of(optimizer, p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    if g.is_sparse:
+        raise RuntimeError(f"gradfuse.optim.{type(optimizer).__name__}: a parameter of shape {tuple(p.shape)} has "
+                           "a sparse gradient; the fused step takes dense gradients (torch.optim.SparseAdam takes "
+                           "sparse ones)")
+    return g
+
+
+def _add(groups: dict, slow: list, p, g, m, v, v_max, row) -> None:
+    lp, lg = local_tensor(p), local_tensor(g)
+    state = [local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
+    entry = (p, lp, lg, state, row)
+    if not _is_kernel_layout(lp, [lg, *state]):
+        slow.append(entry)
+        return
+    lists = groups.setdefault((lp.device, lp.dtype), _Lists())
+    lists.users.append(p)
+    lists.params.append(lp)
+    lists.grads.append(lg)
+    lists.m.append(state[0])
+    lists.v.append(state[1])
+    lists.v_max.append(state[2])
+    lists.rows.append(row)
+
+
+def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+               max_update_rms: float | None = None, stats: bool = False) -> list[StepRows]:
+    """The step of ``optimizer`` (a ``gradfuse.optim`` optimizer), in place; the rows of each
+    (device, dtype) group when ``stats``. See ``gradfuse.optim.SGD.step``."""
+    if skip is not None and bool(skip.reshape(()).item()):
+        # A step not taken: no weight, state or counter changes, no state made for a first step.
+        # (A flag on a GPU is read here, once per step.)
+        return []
+    rule = RULE_SGD if isinstance(optimizer, torch.optim.SGD) else RULE_ADAM
+    groups: dict[tuple, _Lists] = {}
+    slow: list = []
+    (_sgd_lists if rule == RULE_SGD else _adam_lists)(optimizer, groups, slow)
+    for entry in slow:  # a layout the kernels do not take: contiguous copies, written back below
+        p, lp, lg, state, row = entry
+        lists = groups[("copy", id(p))] = _Lists()
+        lists.users, lists.params, lists.grads = [p], [lp.contiguous()], [lg.contiguous()]
+        lists.m, lists.v, lists.v_max = ([t.contiguous()] for t in state)
+        lists.rows = [row]
+        lists.originals = [lp, *state]
+    threads = torch.get_num_threads()
+    out = []
+    for lists in groups.values():
+        device = lists.params[0].device
+        coefs = torch.tensor(lists.rows, dtype=torch.float64)
+        if device.type != "cpu":
+            coefs = coefs.pin_memory().to(device, non_blocking=True)
+        scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+        args = (lists.params, lists.grads, lists.m, lists.v, lists.v_max, coefs, rule,
+                threads if device.type == "cpu" else 0)
+        update_coefs = None
+        if max_update_rms is not None:  # a first pass for each tensor's update RMS, then the step
+            f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, stats=True, write=False)
+            update_coefs = rms_limit_coefficient(f[:, UPDATE_SUMSQ], c[:, UPDATE_NUMEL], max_update_rms)
+        f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, update_coefs=update_coefs, stats=stats)
+        for original, copy in zip(lists.originals, (lists.params[0], lists.m[0], lists.v[0],
+                                                                     lists.v_max[0])):
+            if copy is not original and copy.numel():
+                original.copy_(copy)
+        if stats:
+            out.append(StepRows(lists.users, f, c))
+    return out
+
+
+def check_max_update_rms(name: str, max_update_rms) -> float | None:
+    """``max_update_rms`` as a float (None stays None); ValueError unless a finite number > 0."""
+    if max_update_rms is None:
+        return None
+    if not (isinstance(max_update_rms, (int, float)) and not isinstance(max_update_rms, bool) and max_update_rms > 0
+            and math.isfinite(max_update_rms)):
+        raise ValueError(f"{name}: max_update_rms must be a finite number > 0, got {max_update_rms!r}")
+    return float(max_update_rms)

@@ -1,0 +1,95 @@
+"""``gradfuse.optim.SGD``, ``Adam`` and ``AdamW``: torch's optimizers with the step in one fused
+pass (``gradfuse.optim.fused``), and ``from_torch`` to adopt an existing torch optimizer.
+
+Layer: optim. Imports ``gradfuse.optim.fused``.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradfuse.optim.fused import StepRows, check_max_update_rms, fused_step, refuse_unsupported
+
+
+class FusedStep:
+    """What the three optimizers add to torch's: ``step`` as one fused pass per (device, dtype),
+    with optional extras inside it. Mixed in before the torch class, so ``isinstance``, the LR
+    schedulers, ``param_groups``, ``add_param_group``, the step hooks, ``zero_grad`` and
+    ``state_dict`` are torch's own."""
+
+    #: The update-statistics rows of the latest ``step(stats=True)``, one entry per (device, dtype)
+    #: group (``gradfuse.optim.fused.StepRows``); empty after a step without statistics.
+    last_rows: list[StepRows]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Torch's ``add_param_group``, then the fused step's checks of the new group."""
+        super().add_param_group(param_group)
+        refuse_unsupported(self, self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+             max_update_rms: float | None = None, stats: bool = False):
+        """Performs a single optimization step: torch's, bit for bit, in one pass over weight,
+        gradient and state per (device, dtype) group.
+
+        Args:
+            closure (Callable, optional): Re-evaluates the model and returns the loss.
+            grad_scale (torch.Tensor, optional): One element: every gradient is multiplied by it as
+                it is read (rounded to the gradient's dtype, as ``p.grad.mul_(grad_scale)`` before
+                the step would round it). ``p.grad`` itself keeps its value.
+            skip (torch.Tensor, optional): One element; nonzero: the step is not taken (weights,
+                state and step counters unchanged; a first step makes no state).
+            max_update_rms (float, optional): Each parameter's update limited to this RMS
+                (``w = w_before + min(1, max_update_rms / rms(u)) * u``); costs a first read-only
+                pass, since a tensor's coefficient needs its whole update.
+            stats (bool): Also compute the update-statistics rows (``last_rows``) in the same pass.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        limit = check_max_update_rms(f"gradfuse.optim.{type(self).__name__}", max_update_rms)
+        self.last_rows = fused_step(self, grad_scale=grad_scale, skip=skip, max_update_rms=limit, stats=stats)
+        return loss
+
+
+class SGD(FusedStep, torch.optim.SGD):
+    """``torch.optim.SGD`` with its step fused (``FusedStep``); same arguments, state and
+    results."""
+
+
+class Adam(FusedStep, torch.optim.Adam):
+    """``torch.optim.Adam`` with its step fused (``FusedStep``); same arguments, state and
+    results."""
+
+
+class AdamW(FusedStep, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with its step fused (``FusedStep``); same arguments, state and
+    results."""
+
+
+_FUSED = {torch.optim.SGD: SGD, torch.optim.Adam: Adam, torch.optim.AdamW: AdamW}
+
+
+def from_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Makes an existing ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` step in one fused pass, in
+    place: the same object (its param groups, state, hooks and any scheduler attached stay),
+    now an instance of the ``gradfuse.optim`` class. Returns it.
+
+    Raises:
+        TypeError: ``optimizer`` is not exactly one of the three torch classes.
+        ValueError: a setting the fused step does not take (``differentiable``, ``fused``,
+            ``capturable``, complex parameters), named.
+    """
+    if isinstance(optimizer, FusedStep):
+        return optimizer
+    fused = _FUSED.get(type(optimizer))
+    if fused is None:
+        raise TypeError(f"gradfuse.optim.from_torch takes a torch.optim.SGD, Adam or AdamW, got "
+                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    for group in optimizer.param_groups:
+        refuse_unsupported(fused.__new__(fused), group)
+    optimizer.__class__ = fused
+    return optimizer
