@@ -14,15 +14,20 @@ No import of gradfuse. It checks that:
 - no file a contributor reads (the package, csrc/, tests/, docs/, benchmarks/, scripts/, .ci/,
   README.md, CONTRIBUTING.md, the requirement lists and the build and site configuration) speaks of
   issue numbers or work periods (the history belongs in git and CHANGELOG.md); pytest's
-  ``scope="session"`` and names such as ``requests.Session()`` are not history.
+  ``scope="session"`` and names such as ``requests.Session()`` are not history;
+- no module of the package has more than MAX_CODE_LINES lines of code (blank lines, comment lines
+  and docstrings not counted: ``code_lines``), and README.md has at most MAX_README_LINES lines
+  (detail belongs on the docs site).
 
 Usage: python scripts/check_architecture.py [ROOT]   (exit status 1 with a list of findings)
 """
 from __future__ import annotations
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 # (layer, module prefix). A module takes the layer of its longest matching prefix. Modules of one
@@ -51,6 +56,12 @@ HISTORY_DIRS = ("gradfuse", "csrc", "tests", "docs", "benchmarks", "scripts", ".
 HISTORY_FILES = ("README.md", "CONTRIBUTING.md", "requirements*.txt", "setup.py", "pyproject.toml", "mkdocs.yml",
                  "MANIFEST.in", "CITATION.cff", ".pre-commit-config.yaml")
 BINARY_SUFFIXES = (".png", ".jpg", ".svg", ".so", ".pyc", ".o", ".a")
+# A module that outgrows this is doing two things; split it where a reader would. The README is
+# what a newcomer reads first: detail goes to the docs site.
+MAX_CODE_LINES = 300
+MAX_README_LINES = 250
+NOT_CODE = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENCODING, tokenize.ENDMARKER)
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -223,9 +234,46 @@ def history_words(root: Path) -> list[str]:
     return found
 
 
+def code_lines(source: str) -> int:
+    """The lines of ``source`` that hold code: not blank, not only a comment, not part of a
+    module's, class's or function's docstring. A line with code and a comment counts; so does
+    every line of a string that is not a docstring."""
+    docstrings = []  # (start, end) positions of each docstring
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                value = first.value
+                docstrings.append(((value.lineno, value.col_offset), (value.end_lineno, value.end_col_offset)))
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in NOT_CODE or any(start <= token.start < end for start, end in docstrings):
+            continue
+        lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines)
+
+
+def oversized(root: Path) -> list[str]:
+    """Every module of the package over MAX_CODE_LINES lines of code, and README.md over
+    MAX_README_LINES lines, each with its count."""
+    found = []
+    for path in modules(root).values():
+        n = code_lines(path.read_text())
+        if n > MAX_CODE_LINES:
+            found.append(f"{path.relative_to(root)}: {n} lines of code, more than {MAX_CODE_LINES}")
+    readme = root / "README.md"
+    if readme.is_file():
+        n = len(readme.read_text().splitlines())
+        if n > MAX_README_LINES:
+            found.append(f"README.md: {n} lines, more than {MAX_README_LINES}")
+    return found
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0] if argv else Path(__file__).resolve().parent.parent)
     _imports, findings = analyse(root)
+    findings += [f"too long: {f}" for f in oversized(root)]
     findings += [f"history word: {f}" for f in history_words(root)]
     for f in findings:
         print(f)

@@ -1,6 +1,7 @@
 """The package's layers, checked from the source by scripts/check_architecture.py: no upward
 import, no cycle, no use of another module's private names, a layer stated by every package, no
-history words (ticket numbers, work periods); and the checker itself finds each kind of violation."""
+history words (ticket numbers, work periods), no module over 300 lines of code and no README over
+250 lines; and the checker itself finds each kind of violation."""
 import importlib.util
 import sys
 import textwrap
@@ -120,3 +121,74 @@ def test_history_words_are_found_wherever_a_contributor_reads(tmp_path):
     assert found == sorted([".ci/run", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "benchmarks/bench.py",
                             "benchmarks/kernel_ab/run.sh", "docs/page.md", "requirements-dev.txt",
                             "scripts/tool.py"])
+
+
+def test_no_module_is_too_long_and_the_readme_is_short():
+    assert check.oversized(ROOT) == []
+    counts = [check.code_lines(path.read_text()) for path in check.modules(ROOT).values()]
+    assert len(counts) > 40 and max(counts) > 200  # the modules were measured, not skipped
+    assert 100 < len((ROOT / "README.md").read_text().splitlines()) <= check.MAX_README_LINES
+
+
+# Seven lines of code (the class, the method and its return, the function, its two-line string and
+# its return) among docstrings of every kind, comment lines and blank lines, which do not count.
+PADDED_MODULE = '''\
+"""The module's docstring,
+over two lines."""
+# a comment
+#
+
+{body}
+
+
+class Thing:
+    """One line."""
+
+    # a comment inside the class
+    def method(self):
+        """Two
+        lines."""
+        return 1
+
+
+def function():
+    r"""A raw docstring,
+
+    with a blank line inside."""
+    text = """a string that is not a docstring
+    counts on every line"""
+    return text
+'''
+
+
+def _module_of(code_lines: int) -> str:
+    body = "\n".join(f"x{i} = {i}  # a comment after code counts" for i in range(code_lines - 7))
+    return PADDED_MODULE.format(body=body)
+
+
+def test_code_lines_leaves_out_docstrings_comments_and_blank_lines():
+    assert check.code_lines(_module_of(40)) == 40
+    assert check.code_lines('def f(): """doc"""; return 1\n') == 1  # code beside a docstring counts
+    assert check.code_lines('x = (1,\n     2)  # two lines of one statement\n') == 2
+
+
+@pytest.mark.parametrize("code, too_long", [(300, False), (301, True)])
+def test_a_module_over_the_limit_is_found_with_its_count(tmp_path, code, too_long):
+    module = _module_of(code)
+    assert len(module.splitlines()) > code + 15  # the padding is there, and does not count
+    root = _tree(tmp_path, {**LAYERED, "gradfuse/core/big.py": module})
+    assert check.analyse(root)[1] == []
+    found = check.oversized(root)
+    assert found == ([f"gradfuse/core/big.py: {code} lines of code, more than 300"] if too_long else [])
+
+
+@pytest.mark.parametrize("lines, too_long", [(250, False), (251, True)])
+def test_a_readme_over_the_limit_is_found(tmp_path, lines, too_long):
+    root = _tree(tmp_path, {**LAYERED, "README.md": "# gradfuse\n" + "text\n" * (lines - 1)})
+    assert check.oversized(root) == (["README.md: 251 lines, more than 250"] if too_long else [])
+
+
+def test_the_command_line_reports_a_long_module(tmp_path, capsys):
+    root = _tree(tmp_path, {**LAYERED, "gradfuse/monitor/big.py": _module_of(301)})
+    assert check.main([str(root)]) == 1
+    assert "too long: gradfuse/monitor/big.py: 301 lines of code" in capsys.readouterr().out

@@ -37,6 +37,16 @@ def _optimizer_state(scaler, optimizer) -> dict:
     return state
 
 
+def scaler_unscaled(scaler, optimizer) -> bool:
+    """Whether ``scaler`` has unscaled ``optimizer``'s gradients since its last ``update()``
+    (``scaler.unscale_``, or its ``step``): the optimizer's stage is past READY. An optimizer the
+    scaler has not seen is not (read with ``.get``: the scaler's defaultdict would make its
+    state, and a scaler wrapped by a Mock, as in Lightning's tests, has no ``__getitem__``)."""
+    from torch.amp.grad_scaler import OptState
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is not OptState.READY
+
+
 def optimizer_named_grads(optimizer, names_by_param: nn.Module | dict | None = None):
     """(names, gradients) of the optimizer's parameters that have one. Names: from
     ``names_by_param`` (a module, whose ``named_parameters()`` name them, or a dict

@@ -1,10 +1,10 @@
-"""GradStats: the per-parameter gradient statistics of one step, kept on the device.
+"""GradStats: the per-parameter gradient statistics of one step, kept on the device. Its text
+and HTML tables are drawn by ``gradfuse.core.stats_table``.
 
-Layer: core. Imports ``gradfuse.ops.layout`` and the core's distributed and layers.
+Layer: core. Imports ``gradfuse.ops.layout`` and the core's distributed, layers and stats table.
 """
 from __future__ import annotations
 
-import html
 import math
 from typing import NamedTuple
 
@@ -12,6 +12,7 @@ import torch
 
 from gradfuse.core.distributed import as_dtensor
 from gradfuse.core.layers import columns_to_host, layer_of
+from gradfuse.core.stats_table import html_table, text_table
 from gradfuse.ops.layout import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
 
 
@@ -414,59 +415,15 @@ class GradStats:
     def table(self, top: int | None = None, sort_by: str = "l2") -> str:
         """A fixed-width table of the per-parameter statistics, largest ``sort_by`` first
         (NaN first of all), limited to ``top`` rows, with the totals below."""
-        d = self.to_dict()
         if sort_by not in PER_PARAM_FIELDS:
             raise ValueError(f"sort_by must be one of {PER_PARAM_FIELDS}, got {sort_by!r}")
-        items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1][sort_by]), reverse=True)
-        shown = items if top is None else items[:top]
-        width = max([len("parameter")] + [len(n) for n, _ in shown])
-        columns = [st for st in STATISTICS if st.header is not None]
-        head = f"{'parameter':<{width}}" + "".join(f"  {st.header:>{st.width}}" for st in columns)
-        lines = [head, "-" * len(head)]
-        for name, r in shown:
-            lines.append(f"{name:<{width}}" + "".join(
-                f"  {r[st.name] * st.scale if st.scale != 1 else r[st.name]:>{st.width}{st.spec}}" for st in columns))
-        if len(shown) < len(items):
-            lines.append(f"... {len(items) - len(shown)} more parameters")
-        total = f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}"
-        if d["clip_coef"] is not None and "clip_per" in d:
-            total += (f"   per {d['clip_per']}: {d['clipped_params']} of {len(items)} clipped, "
-                      f"smallest coef {d['clip_coef']:.4g}, max_norm {d['max_norm']:g}")
-        elif d["clip_coef"] is not None:
-            max_norm = "adaptive" if d["max_norm"] is None else f"{d['max_norm']:g}"
-            total += (f"   clip coef: {d['clip_coef']:.4g} "
-                      f"({'clipped' if d['clipped'] else 'not clipped'}, max_norm {max_norm})")
-        if "clamped" in d:
-            total += (f"   clip value {d['clip_value']:g}: {d['clamped']} elements clamped in "
-                      f"{d['clipped_params']} of {len(items)}")
-        if d["nonfinite"]:
-            total += f"   NON-FINITE: {', '.join(self.nonfinite_names())}"
-        lines.append(total)
-        return "\n".join(lines)
+        d = self.to_dict()
+        return text_table(d, STATISTICS, sort_by, top, self.nonfinite_names() if d["nonfinite"] else [])
 
     def _repr_html_(self, max_rows: int = 100) -> str:
         """Jupyter's view: the rows of ``to_dict`` as an HTML table (largest ``l2`` first,
         at most ``max_rows``), the totals below; one transfer."""
-        d = self.to_dict()
-        items = sorted(d["params"].items(), key=lambda kv: _sort_key(kv[1]["l2"]), reverse=True)
-        columns = list(items[0][1]) if items else list(PER_PARAM_FIELDS)
-
-        def cell(v) -> str:
-            if isinstance(v, float):
-                return f"{v:.4g}"
-            return html.escape(str(v))
-
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in ["name"] + columns)
-        rows = "".join("<tr><td>" + html.escape(name) + "</td>"
-                       + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>"
-                       for name, r in items[:max_rows])
-        more = (f"<p>... {len(items) - max_rows} more rows</p>" if len(items) > max_rows else "")
-        totals = (f"total norm ({_order(self.norm_type)}): {d['total_norm']:.6g}; "
-                  f"non-finite: {d['nonfinite']}"
-                  + (f"; clip coef: {d['clip_coef']:.4g}" if d["clip_coef"] is not None else ""))
-        return (f"<div><b>{html.escape(type(self).__name__)}</b> ({len(items)} rows)"
-                f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{more}"
-                f"<p>{html.escape(totals)}</p></div>")
+        return html_table(self.to_dict(), type(self).__name__, PER_PARAM_FIELDS, max_rows)
 
     def __repr__(self) -> str:
         return (f"GradStats({len(self.names)} parameters, norm_type={self.norm_type}, "
@@ -481,10 +438,3 @@ def with_shared_names(names: list[str], *args, **kwargs) -> GradStats:
     s._names_own = False
     return s
 
-
-def _sort_key(v: float):
-    return (math.isnan(v), v if not math.isnan(v) else 0.0)
-
-
-def _order(p: float) -> str:
-    return f"{p:g}"  # inf, -inf, 2, 0.5

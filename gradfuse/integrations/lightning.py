@@ -10,7 +10,8 @@ that it asks for (``clip_gradients``, by norm or by value) is made by the monito
 fused pass as its statistics and policies. An override of ``configure_gradient_clipping`` decides
 as it does without gradfuse: it may skip the clip, ask for another value or algorithm, and
 ``clip_gradients`` keeps its checks and errors; nothing is clipped twice. A step the policy skips
-is not taken (see ``gradfuse.integrations.pytorch.StepGate``).
+is not taken (see ``gradfuse.integrations.pytorch.StepGate``). The wrappers over the precision
+plugin's methods that make this so are ``gradfuse.integrations.lightning_clip_path``'s.
 """
 from __future__ import annotations
 
@@ -18,12 +19,10 @@ from gradfuse.utils import require
 
 require("lightning", "lightning", "integrations.lightning")
 
-from contextlib import contextmanager  # noqa: E402
-
 from lightning.pytorch import Callback  # noqa: E402
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
-from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
+from gradfuse.core.amp import scaler_unscaled  # noqa: E402
+from gradfuse.integrations.lightning_clip_path import OWN, ClipPath, clip_algorithm, clip_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, describe_mode, double_clip_message  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
@@ -71,142 +70,7 @@ def _should_log(trainer) -> bool:
     return n > 0 and (_log_step(trainer) + 1) % n == 0
 
 
-# The clip of one step, as the clipping path asks for it: the callback's own mode (its max_norm,
-# per=, clip_value=, agc=, or what it took from the Trainer), none, or (algorithm, value).
-OWN = "own"
 CALL_NAME = "gradfuse GradfuseCallback (Lightning, in its clipping path)"  # what warnings name
-
-
-def _algorithm(algorithm) -> str:
-    # "norm" or "value", from Lightning's GradClipAlgorithmType, a string or None (norm).
-    return "value" if str(getattr(algorithm, "value", algorithm)).lower() == "value" else "norm"
-
-
-def _unwrap(optimizer):
-    # The torch optimizer behind a LightningOptimizer (what self.optimizers() returns).
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-@contextmanager
-def _clip_mode(mon: GradMonitor, mode):
-    """The monitor clips by ``mode`` for one step (``OWN``: as configured; None: not at all;
-    ``("norm", v)`` / ``("value", v)``: by total 2-norm / by value), its configuration restored after."""
-    if mode == OWN:
-        yield
-        return
-    saved = (mon.max_norm, mon.clip_value, mon.agc, mon.per)
-    algorithm, value = mode if mode is not None else (None, None)
-    mon.max_norm = float(value) if algorithm == "norm" else None
-    mon.clip_value = float(value) if algorithm == "value" else None
-    mon.agc = mon.per = None
-    try:
-        yield
-    finally:
-        mon.max_norm, mon.clip_value, mon.agc, mon.per = saved
-
-
-class _ClipPath:
-    """gradfuse in the clipping path of one fit's precision plugin.
-
-    Instance attributes over the plugin's methods (``remove`` takes them off):
-
-    - ``clip_gradients``: without a value (Lightning clips nothing), the monitor clips by the
-      callback's own mode; with one, Lightning's method runs (its checks and errors) and the clip
-      it dispatches to, ``clip_grad_by_norm`` / ``clip_grad_by_value`` (Lightning's own, not a
-      plugin's override), is made by the monitor;
-    - ``_clip_gradients`` (where Lightning calls ``configure_gradient_clipping``): when it made no
-      clip call, the monitor runs after it without clipping (with manual optimization, which has
-      no such hook, by the callback's own mode);
-    - ``optimizer_step``: the step's round ends with it.
-
-    Where the monitor ran already in the round (a second clip call, or LBFGS evaluating its
-    closure again), Lightning's own method runs."""
-
-    def __init__(self, callback: GradfuseCallback, plugin):
-        self.callback = callback
-        self.plugin = plugin
-        self.request = None  # (optimizer, value, algorithm) of the clip_gradients call in progress
-        self._saved: dict[str, tuple] = {}
-        self._patch("optimizer_step", self._optimizer_step)
-        self._patch("clip_gradients", self._clip_gradients)
-        if callable(getattr(plugin, "_clip_gradients", None)):
-            self._patch("_clip_gradients", self._configured)
-        for name, algorithm in (("clip_grad_by_norm", "norm"), ("clip_grad_by_value", "value")):
-            if getattr(type(plugin), name, None) is getattr(Precision, name):
-                self._patch(name, self._clip_by(algorithm))
-
-    def _patch(self, name: str, make) -> None:
-        plugin = self.plugin
-        self._saved[name] = (name in plugin.__dict__, plugin.__dict__.get(name))
-        wrapper = make(getattr(plugin, name))
-        self._saved[name] += (wrapper,)
-        setattr(plugin, name, wrapper)
-
-    def remove(self) -> None:
-        """Restores the plugin's methods."""
-        for name, (had_own, previous, wrapper) in self._saved.items():
-            if self.plugin.__dict__.get(name) is wrapper:
-                if had_own:
-                    setattr(self.plugin, name, previous)
-                else:
-                    delattr(self.plugin, name)
-        self._saved = {}
-
-    def _optimizer_step(self, original):
-        def optimizer_step(optimizer, *args, **kwargs):
-            try:
-                return original(optimizer, *args, **kwargs)
-            finally:
-                self.callback._end_round(_unwrap(optimizer))
-        return optimizer_step
-
-    def _clip_gradients(self, original):
-        cb = self.callback
-
-        def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
-            args = (optimizer, clip_val) + (() if gradient_clip_algorithm is None else (gradient_clip_algorithm,))
-            opt = _unwrap(optimizer)
-            if not cb._pending(opt):
-                return original(*args, **kwargs)
-            if not clip_val or clip_val <= 0:  # Lightning clips nothing: gradfuse's own mode
-                cb._run(opt, OWN)
-                return original(*args, **kwargs)
-            previous, self.request = self.request, (opt, clip_val, _algorithm(gradient_clip_algorithm))
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self.request = previous
-            if cb._pending(opt):  # the plugin clips its own way (or not): statistics and policies
-                cb._run(opt, None)
-            return out
-        return clip_gradients
-
-    def _clip_by(self, algorithm: str):
-        cb = self.callback
-
-        def make(original):
-            def clip_by(optimizer, clip_val, *args, **kwargs):
-                opt = _unwrap(optimizer)
-                if self.request is None or self.request[0] is not opt or not cb._pending(opt):
-                    return original(optimizer, clip_val, *args, **kwargs)
-                mode = cb._mode_for(clip_val, algorithm)
-                if mode != OWN and algorithm == "norm" and cb._monitor(opt).norm_type != 2.0:
-                    cb._run(opt, None)  # Lightning clips by the 2-norm; the monitor measures another
-                    return original(optimizer, clip_val, *args, **kwargs)
-                cb._run(opt, mode)
-            return clip_by
-        return make
-
-    def _configured(self, original):
-        cb = self.callback
-
-        def configured(model, optimizer, *args, **kwargs):
-            out = original(model, optimizer, *args, **kwargs)
-            opt = _unwrap(optimizer)
-            if cb._pending(opt):  # no clip was asked for: the override (if any) decided so
-                cb._run(opt, None if getattr(model, "automatic_optimization", True) else OWN)
-            return out
-        return configured
 
 
 class GradfuseCallback(Callback):
@@ -292,7 +156,7 @@ class GradfuseCallback(Callback):
         self._trainer_request = None  # the Trainer's (gradient_clip_val, algorithm) for the fit
         self._took_value = False
         self._fit = None  # (trainer, LightningModule) during the fit
-        self._path: _ClipPath | None = None
+        self._path: ClipPath | None = None
         self._round: dict[int, StepReport] = {}  # by optimizer: the monitor's report for its coming step
         self._double_clip: dict[int, DoubleClipCheck] = {}  # by optimizer index, as the monitors
         self._loss = None  # the losses of the micro-batches since the last step (flight recorder)
@@ -312,7 +176,7 @@ class GradfuseCallback(Callback):
         """
         if stage != "fit" or not trainer.gradient_clip_val:
             return
-        by_value = _algorithm(trainer.gradient_clip_algorithm) == "value"
+        by_value = clip_algorithm(trainer.gradient_clip_algorithm) == "value"
         clip = float(trainer.gradient_clip_val)
         own = describe_mode(self.max_norm, self.monitor_kwargs)
         if own is None and by_value:  # gradient_clip_algorithm="value": clamped by the monitor
@@ -335,7 +199,9 @@ class GradfuseCallback(Callback):
         # Before the first step: without a closure-free precision plugin the optimizer's step()
         # is entered before the backward, so the gate must be in place already.
         self._fit = (trainer, pl_module)
-        self._path = _ClipPath(self, trainer.precision_plugin)
+        self._path = ClipPath(trainer.precision_plugin, pending=self._pending, run=self._run,
+                              mode_for=self._mode_for, norm_type=lambda opt: self._monitor(opt).norm_type,
+                              end_round=self._end_round)
         self._gates = [StepGate(opt, self._take_decision) for opt in trainer.optimizers]
         self._register_noise_scale_ddp_hook(trainer, pl_module)
 
@@ -396,7 +262,7 @@ class GradfuseCallback(Callback):
                 self._double_clip.pop(index).remove()  # the warning is shown once
                 warn(double_clip_message(CALL_NAME, name))
         mon.step_count = _log_step(trainer)
-        with _clip_mode(mon, mode):
+        with clip_mode(mon, mode):
             report = mon.step(log=_should_log(trainer))
         self._round[id(optimizer)] = report
         self.last_report = report
@@ -410,21 +276,14 @@ class GradfuseCallback(Callback):
         ``scaler.update`` are all skipped (the gradients are still scaled, as the scaler left them;
         an optimizer that unscales in its own ``step`` aside). The monitor then does not run."""
         scaler = mon.scaler
-        if scaler is None or not scaler.is_enabled() or getattr(optimizer, "_step_supports_amp_scaling", False):
-            return False
-        from torch.amp.grad_scaler import OptState
-        state = scaler._per_optimizer_states.get(id(optimizer))
-        return state is None or state["stage"] is OptState.READY
+        return (scaler is not None and scaler.is_enabled() and not scaler_unscaled(scaler, optimizer)
+                and not getattr(optimizer, "_step_supports_amp_scaling", False))
 
     @staticmethod
     def _unscaled_before(mon: GradMonitor, optimizer) -> int:
         # The in-place changes allowed since the backward: the precision plugin's scaler.unscale_.
         scaler = mon.scaler
-        if scaler is None or not scaler.is_enabled():
-            return 0
-        from torch.amp.grad_scaler import OptState
-        state = scaler._per_optimizer_states.get(id(optimizer))
-        return int(state is not None and state["stage"] is not OptState.READY)
+        return int(scaler is not None and scaler.is_enabled() and scaler_unscaled(scaler, optimizer))
 
     def _monitor_for(self, trainer, pl_module, optimizer) -> GradMonitor:
         index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)

@@ -1,5 +1,6 @@
 """The monitor: ``gradfuse.monitor.monitor.GradMonitor`` composed of its parts, each in a
-module of its own: the step plan (``gradfuse.monitor.step_plan``), the policies
+module of its own: the checks of its arguments (``gradfuse.monitor.arguments``), its checkpoint
+state (``gradfuse.monitor.checkpoint``), the step plan (``gradfuse.monitor.step_plan``), the policies
 (``gradfuse.monitor.policies``), the sink set and the sinks (``gradfuse.monitor.sink_set``,
 ``gradfuse.monitor.sinks``), the clip strategy (``gradfuse.monitor.clip_strategy``), the
 dynamics (``gradfuse.monitor.dynamics``), the activation hooks

@@ -1,6 +1,6 @@
 """The monitor's clip strategy: its clip in every mode from the step's statistics
-(``monitor_clip_``), the check that nothing clipped the gradients before it
-(``DoubleClipCheck``), and the description of a configured mode.
+(``monitor_clip_``), a step's ``max_norm`` (``max_norm_of_step``), the check that nothing
+clipped the gradients before it (``DoubleClipCheck``), and the description of a configured mode.
 
 Layer: monitor. Imports ``gradfuse.core`` and ``gradfuse.clip``.
 """
@@ -10,10 +10,22 @@ import torch
 
 from gradfuse.clip.agc import adaptive_clip_grad_
 from gradfuse.clip.per import clip_per_
+from gradfuse.clip.schedule import ScheduleError, max_norm_at
 from gradfuse.clip.value import clamp_stats_
 from gradfuse.clip.zclip import ZClip, scale_total_
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.params import with_grads
+
+
+def max_norm_of_step(max_norm, step: int) -> tuple[object, ScheduleError | None]:
+    """(the ``max_norm`` of step ``step``: a float, a ``ZClip`` or None, from a number, a ``ZClip``
+    or a schedule; the ``ScheduleError`` of a schedule that raised or gave a bad value, then with None)."""
+    if callable(max_norm) and not isinstance(max_norm, ZClip):
+        try:
+            return max_norm_at(max_norm, step), None
+        except ScheduleError as e:
+            return None, e
+    return max_norm, None
 
 
 def describe_mode(max_norm, monitor_kwargs: dict) -> str | None:

@@ -1,15 +1,15 @@
 """GradMonitor: fused gradient statistics every step, logging every N steps, and policies for
 non-finite and exploding gradients that name the parameters at fault.
 
-The monitor composes its parts: the watch handle (statistics), the step plan (the pass that
-takes a step's statistics and the clip after it, ``gradfuse.monitor.step_plan``), the policies
-(``gradfuse.monitor.policies``), the clip strategy (``gradfuse.monitor.clip_strategy``),
-the dynamics (``gradfuse.monitor.dynamics``), the activation hooks
-(``gradfuse.monitor.activation_hooks``), the report and record of a step
-(``gradfuse.monitor.report``, ``gradfuse.monitor.record``) and the sink set
-(``gradfuse.monitor.sink_set``). It never stops a run because of its own output: a sink that
-raises is warned about once, retried with a back-off, and every record it did not write is
-counted.
+The monitor composes its parts: the checks of its arguments (``gradfuse.monitor.arguments``),
+the watch handle (statistics), the step plan (the pass that takes a step's statistics and the clip
+after it, ``gradfuse.monitor.step_plan``), the policies (``gradfuse.monitor.policies``), the clip
+strategy (``gradfuse.monitor.clip_strategy``), the dynamics (``gradfuse.monitor.dynamics``), the
+activation hooks (``gradfuse.monitor.activation_hooks``), the report and record of a step
+(``gradfuse.monitor.report``, ``gradfuse.monitor.record``), the sink set
+(``gradfuse.monitor.sink_set``) and its checkpoint state (``gradfuse.monitor.checkpoint``). It
+never stops a run because of its own output: a sink that raises is warned about once, retried
+with a back-off, and every record it did not write is counted.
 
 ``GradMonitor.step`` runs in phases: ``_start`` (the first step: the sinks' run
 configuration), ``_plan`` (the double-clip check, this step's ``max_norm``, the pass),
@@ -23,26 +23,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradfuse.clip.agc import check_agc_args
-from gradfuse.clip.per import check_per
-from gradfuse.clip.schedule import ScheduleError, check_max_norm_arg, max_norm_at
-from gradfuse.clip.value import check_clip_value
-from gradfuse.clip.zclip import ZClip
-from gradfuse.core.params import check_norm_type
+from gradfuse.core.amp import scaler_unscaled
 from gradfuse.core.watch import watch
 from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
-from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message
+from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
+from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
+from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message, max_norm_of_step
 from gradfuse.monitor.dynamics import Dynamics
-from gradfuse.monitor.policies import SPIKE_POLICIES, Decision, anomaly_flags, check_policy, decide
+from gradfuse.monitor.policies import Decision, anomaly_flags, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
 from gradfuse.monitor.report import GradientAnomaly, StepReport, anomaly_message
 from gradfuse.monitor.sink_set import SinkSet
 from gradfuse.monitor.step_plan import StepPlan, plan_step
 from gradfuse.utils import warn
-
-STATE_VERSION = 1
-COUNTERS = ("skipped_steps", "anomaly_steps", "nonfinite_steps", "explode_steps", "amp_overflow_steps")
 
 
 class GradMonitor:
@@ -226,33 +220,20 @@ class GradMonitor:
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
                  module: nn.Module | None = None, sink_ranks: int | str = 0, recorder=None,
                  on_spike: str = "warn"):
-        check_policy("on_nonfinite", on_nonfinite)
-        check_policy("on_explode", on_explode)
-        check_policy("on_spike", on_spike, SPIKE_POLICIES)
+        check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
+                           explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
+                           optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms)
+        clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
+        self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
         self.recorder = flight.as_recorder(recorder)
         self.on_spike, self.spike_steps = (on_spike if self.recorder is not None else "ignore"), 0
-        if explode_threshold is not None and not explode_threshold > 0:
-            raise ValueError(f"gradfuse.GradMonitor: explode_threshold must be > 0, got {explode_threshold!r}")
-        if every < 0:
-            raise ValueError(f"gradfuse.GradMonitor: every must be >= 0, got {every}")
         if not isinstance(model, (nn.Module, torch.Tensor)):
             model = list(model)  # iterated every step
         self.source = model
-        self.max_norm = check_max_norm_arg(max_norm)
-        self.norm_type = check_norm_type(norm_type)
         self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
-        self.per = check_per(per)
-        self.clip_value = None if clip_value is None else check_clip_value(clip_value)
-        self.agc = None if agc is None else check_agc_args(agc, agc_eps, self.norm_type)
-        modes = [m for m, v in (("max_norm", max_norm), ("clip_value", clip_value), ("agc", agc))
-                 if v is not None]
-        if len(modes) > 1:
-            raise ValueError(f"gradfuse.GradMonitor: pass one of max_norm, clip_value and agc, got {modes}")
-        if per is not None and (self.max_norm is None or isinstance(self.max_norm, ZClip)):
-            raise ValueError("gradfuse.GradMonitor: per= needs a max_norm (a number or a schedule)")
         self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
         self._double_clip = (DoubleClipCheck(self._watch.params, self._watch.names)
-                             if check_double_clip and modes else None)
+                             if check_double_clip and clip.modes else None)
         self._double_clip_warned = False
         self._max_norm_now = None  # the max_norm of the latest step (a number, or a device threshold)
         self.every = every
@@ -261,15 +242,10 @@ class GradMonitor:
         self.on_explode = on_explode if explode_threshold is not None else "ignore"
         self.sinks = list(sinks)
         self._sink_set = SinkSet(self.sinks)
-        if not (sink_ranks == "all" or (isinstance(sink_ranks, int) and not isinstance(sink_ranks, bool)
-                                        and sink_ranks >= 0)):
-            raise ValueError(f"gradfuse.GradMonitor: sink_ranks must be a rank number or 'all', got {sink_ranks!r}")
         self.sink_ranks = sink_ranks
         self.layer_depth = layer_depth
         self.scaler = scaler
         self.optimizer = optimizer
-        if optimizer is not None and scaler is None and max_update_rms is None:
-            raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
         named = model.named_parameters() if isinstance(model, nn.Module) else (
             [] if isinstance(model, torch.Tensor) else model)
         self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
@@ -381,13 +357,8 @@ class GradMonitor:
     def _unscale_here(self) -> bool:
         """Whether this step unscales the gradients itself: the fused AMP path, taken unless
         the gradients were unscaled already (``scaler.unscale_`` was called)."""
-        if self.optimizer is None or not self._amp_active():
-            return False
-        from torch.amp.grad_scaler import OptState
-        # .get, not [...]: an optimizer the scaler has not seen yet is READY (the defaultdict would
-        # make that state), and a scaler wrapped by a Mock (Lightning's tests) has no __getitem__.
-        state = self.scaler._per_optimizer_states.get(id(self.optimizer))
-        return state is None or state["stage"] is OptState.READY
+        return (self.optimizer is not None and self._amp_active()
+                and not scaler_unscaled(self.scaler, self.optimizer))
 
     @torch.no_grad()
     def step(self, log: bool | None = None, loss=None) -> StepReport:
@@ -463,7 +434,8 @@ class GradMonitor:
         fused_unscale = self._unscale_here()
         log_now = (self.every > 0 and step % self.every == 0) if log is None else log
         self._check_double_clip(fused_unscale)
-        max_norm, bad_max_norm = self._max_norm_at(step)
+        max_norm, bad_max_norm = max_norm_of_step(self.max_norm, step)
+        self._max_norm_now = max_norm
         return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
                          max_norm=max_norm, bad_max_norm=bad_max_norm, needs_flag=self._needs_flag())
 
@@ -523,18 +495,6 @@ class GradMonitor:
             self._write(report, event=bool(report.anomalies))
             report.logged = True
         self._last_report = report
-
-    def _max_norm_at(self, step: int):
-        """(this step's max_norm: a float, a ZClip or None; the ScheduleError of a bad value)."""
-        m = self.max_norm
-        if callable(m) and not isinstance(m, ZClip):
-            try:
-                m = max_norm_at(m, step)
-            except ScheduleError as e:
-                self._max_norm_now = None
-                return None, e
-        self._max_norm_now = m
-        return m, None
 
     def _check_double_clip(self, fused_unscale: bool) -> None:
         if self._double_clip is None:
@@ -681,13 +641,7 @@ class GradMonitor:
                         "gradfuse": monitor.state_dict()}, "ckpt.pt")
             ```
         """
-        state = {"version": STATE_VERSION, "step": self.step_count, "clipped_steps": self.clipped_steps}
-        state.update({name: getattr(self, name) for name in COUNTERS})
-        if isinstance(self.max_norm, ZClip):
-            state["zclip"] = self.max_norm.state_dict()
-        if self.dynamics is not None:
-            state["dynamics"] = self.dynamics.state_dict()
-        return {**state, **flight.recorder_state(self)}
+        return monitor_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``: the next ``step`` continues the numbering and counts.
@@ -710,23 +664,8 @@ class GradMonitor:
             monitor.load_state_dict(ckpt["gradfuse"])
             ```
         """
-        missing = {"step", "clipped_steps", *COUNTERS} - set(state)
-        if missing:
-            raise KeyError(f"gradfuse.GradMonitor.load_state_dict: missing {sorted(missing)}")
-        if state.get("version", STATE_VERSION) > STATE_VERSION:
-            raise ValueError(f"gradfuse.GradMonitor.load_state_dict: state version {state['version']} "
-                             f"is newer than this gradfuse understands ({STATE_VERSION})")
-        self.step_count = int(state["step"])
-        for name in COUNTERS:
-            setattr(self, name, int(state[name]))
-        self._clipped_restored = int(state["clipped_steps"])
-        if self.dynamics is not None and "dynamics" in state:
-            self.dynamics.load_state_dict(state["dynamics"])
-        self._clipped = None
-        self._restored = True
-        if isinstance(self.max_norm, ZClip) and "zclip" in state:
-            self.max_norm.load_state_dict(state["zclip"])
-        flight.load_recorder_state(self, state)
+        restore_state(self, state)  # checked first: a malformed state changes nothing
+        self._clipped_restored, self._clipped, self._restored = int(state["clipped_steps"]), None, True
 
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended
