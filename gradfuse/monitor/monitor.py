@@ -29,7 +29,7 @@ from gradfuse.clip.schedule import ScheduleError, check_max_norm_arg, max_norm_a
 from gradfuse.clip.value import check_clip_value
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.params import check_norm_type
-from gradfuse.core.watch import watch
+from gradfuse.core.watch import GradWatch, watch
 from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message
@@ -50,7 +50,9 @@ class GradMonitor:
 
     Args:
         model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
-            ``gradfuse.watch`` handle (see there for when its parameters are re-resolved).
+            ``gradfuse.watch`` handle (see there for when its parameters are re-resolved). A
+            ``GradWatch`` is used as it is (``gradfuse.integrations.deepspeed`` passes one over
+            DeepSpeed ZeRO's gradient fragments).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
             Also a schedule, a callable of the step number returning the value (``lambda step:
             1.0 if step < 5000 else 0.5``; logged each logging step as ``max_norm``; a value that
@@ -187,7 +189,8 @@ class GradMonitor:
     Raises:
         ValueError: an argument is out of range: ``on_nonfinite`` / ``on_explode`` not one of
             ``"raise"``, ``"skip"``, ``"warn"``, ``"ignore"``; ``explode_threshold`` not > 0;
-            ``every`` < 0; ``max_norm`` or ``clip_value`` negative or NaN, ``norm_type`` NaN;
+            ``every`` < 0; ``max_norm`` or ``clip_value`` negative or NaN, ``norm_type`` NaN
+            (or not the ``norm_type`` of a ``GradWatch`` given as ``model``);
             ``per`` not None, ``"param"`` or ``"layer"``; a bad ``agc`` / ``agc_eps``; more than
             one of ``max_norm``, ``clip_value`` and ``agc``; ``per`` without a numeric (or
             schedule) ``max_norm``; ``sink_ranks`` neither a rank number nor ``"all"``;
@@ -235,12 +238,18 @@ class GradMonitor:
             raise ValueError(f"gradfuse.GradMonitor: explode_threshold must be > 0, got {explode_threshold!r}")
         if every < 0:
             raise ValueError(f"gradfuse.GradMonitor: every must be >= 0, got {every}")
-        if not isinstance(model, (nn.Module, torch.Tensor)):
+        if not isinstance(model, (nn.Module, torch.Tensor, GradWatch)):
             model = list(model)  # iterated every step
         self.source = model
         self.max_norm = check_max_norm_arg(max_norm)
         self.norm_type = check_norm_type(norm_type)
-        self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
+        if isinstance(model, GradWatch):  # e.g. a FragmentWatch of DeepSpeed ZeRO's gradient fragments
+            if model.norm_type != self.norm_type:
+                raise ValueError(f"gradfuse.GradMonitor: the watch given has norm_type={model.norm_type}, "
+                                 f"the monitor norm_type={self.norm_type}")
+            self._watch = model
+        else:
+            self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
         self.per = check_per(per)
         self.clip_value = None if clip_value is None else check_clip_value(clip_value)
         self.agc = None if agc is None else check_agc_args(agc, agc_eps, self.norm_type)
@@ -271,7 +280,8 @@ class GradMonitor:
         if optimizer is not None and scaler is None and max_update_rms is None:
             raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
         named = model.named_parameters() if isinstance(model, nn.Module) else (
-            [] if isinstance(model, torch.Tensor) else model)
+            [] if isinstance(model, torch.Tensor) else
+            list(zip(model.names, model.params)) if isinstance(model, GradWatch) else model)
         self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
         self.enabled = enabled
         self.histogram = histogram  # exponent histograms and headroom on logging steps
