@@ -23,7 +23,8 @@ The private accessors read here were checked against DeepSpeed ``TESTED_VERSIONS
 outside that range is refused, as are configurations whose gradients are elsewhere (optimizer or
 parameter offload, NVMe, the pipeline engine, MoE, model parallelism) or scaled (fp16).
 
-Layer: integrations. Imports ``gradfuse.core``, ``gradfuse.monitor`` and ``gradfuse.utils``.
+Layer: integrations. Imports ``gradfuse.core``, ``gradfuse.clip``, ``gradfuse.monitor`` and
+``gradfuse.utils``.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import types
 
 import torch
 
+from gradfuse.clip.zclip import ZClip
 from gradfuse.core.fragments import FragmentWatch, check_fragment_order
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.utils import warn
@@ -50,6 +52,7 @@ REFUSED_OPTIONS = {
     "histogram": "the exponent histograms of fragments are not reduced across ranks",
     "clip_value": "the clamped-element counts of fragments are not reduced across ranks",
     "agc": "adaptive clipping needs each parameter's whole weight, which ZeRO-3 partitions",
+    "per": "per-parameter and per-layer clipping of fragments is not supported with DeepSpeed yet",
     "activations": "not supported with DeepSpeed yet",
     "trace_nonfinite": "not supported with DeepSpeed yet",
     "activation_modules": "not supported with DeepSpeed yet",
@@ -230,6 +233,9 @@ class DeepSpeedAttachment:
             if key in REFUSED_OPTIONS and monitor_kwargs[key] not in (None, False):
                 raise ValueError(f"gradfuse.attach: {key}= is not available on a DeepSpeed engine: "
                                  f"{REFUSED_OPTIONS[key]}")
+        if isinstance(monitor_kwargs.get("max_norm"), ZClip):
+            raise ValueError("gradfuse.attach: a ZClip max_norm is not supported with DeepSpeed yet; pass a number "
+                             "or a schedule")
         self.engine = engine
         self.stage = engine.zero_optimization_stage()
         self.optimizer = engine.optimizer
@@ -255,7 +261,7 @@ class DeepSpeedAttachment:
         self.last_report: StepReport | None = None
         self._loss = None
         # DeepSpeed's clip: off while gradfuse clips (stage 0 reads the config, ZeRO its optimizer's copy).
-        self._clips = any(kwargs.get(k) is not None for k in ("max_norm", "per"))
+        self._clips = kwargs.get("max_norm") is not None
         self._ds_clip = float(engine.gradient_clipping() or 0.0)
         if self._clips and self._ds_clip > 0:
             warn(f"gradfuse.attach: DeepSpeed's gradient_clipping={self._ds_clip:g} is off while gradfuse clips "
@@ -362,10 +368,13 @@ class DeepSpeedAttachment:
         """
         self.monitor.load_state_dict(state)
 
-    def detach(self) -> None:
+    def detach(self, close: bool = True) -> None:
         """Restores the engine: its optimizer's ``step``, ``save_checkpoint``, ``load_checkpoint``
         and DeepSpeed's own ``gradient_clipping``; closes the monitor's sinks (the last step is
         logged first).
+
+        Args:
+            close: False: the monitor's sinks stay open (an integration that closes them later).
         """
         for obj, name, bound, had_own, previous in self._patched.values():
             if obj.__dict__.get(name) is bound:
@@ -377,7 +386,8 @@ class DeepSpeedAttachment:
         self._set_deepspeed_clip(self._ds_clip)
         if self._own_overflow and "overflow" in self.optimizer.__dict__:
             del self.optimizer.overflow
-        self.monitor.close()
+        if close:
+            self.monitor.close()
 
     def __enter__(self) -> DeepSpeedAttachment:
         return self

@@ -218,7 +218,8 @@ def check_refusals(rank, world):
     """What cannot be done on fragments refuses, naming the option."""
     engine = make_engine(2, torch.float32, 0.0)
     for kwargs, words in (({"noise_scale": True}, "noise_scale="), ({"histogram": True}, "histogram="),
-                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value=")):
+                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value="),
+                          ({"max_norm": 1.0, "per": "param"}, "per="), ({"max_norm": gradfuse.ZClip()}, "ZClip")):
         try:
             gradfuse.attach(engine, **kwargs)
         except ValueError as e:
