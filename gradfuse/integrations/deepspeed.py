@@ -233,6 +233,10 @@ class DeepSpeedAttachment:
             if key in REFUSED_OPTIONS and monitor_kwargs[key] not in (None, False):
                 raise ValueError(f"gradfuse.attach: {key}= is not available on a DeepSpeed engine: "
                                  f"{REFUSED_OPTIONS[key]}")
+        recorder = monitor_kwargs.get("recorder")
+        if getattr(recorder, "record_updates", False):
+            raise ValueError("gradfuse.attach: FlightRecorder(record_updates=True) is not available on a DeepSpeed "
+                             "engine: the optimizer's state is partitioned and wrapped by DeepSpeed")
         if isinstance(monitor_kwargs.get("max_norm"), ZClip):
             raise ValueError("gradfuse.attach: a ZClip max_norm is not supported with DeepSpeed yet; pass a number "
                              "or a schedule")
@@ -263,7 +267,9 @@ class DeepSpeedAttachment:
         # DeepSpeed's clip: off while gradfuse clips (stage 0 reads the config, ZeRO its optimizer's copy).
         self._clips = kwargs.get("max_norm") is not None
         self._ds_clip = float(engine.gradient_clipping() or 0.0)
-        if self._clips and self._ds_clip > 0:
+        # DeepSpeed clips at 1.0 unless told otherwise: only a gradient_clipping the config sets was asked for.
+        asked = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
+        if self._clips and self._ds_clip > 0 and asked:
             warn(f"gradfuse.attach: DeepSpeed's gradient_clipping={self._ds_clip:g} is off while gradfuse clips "
                  "(both were asked for; gradfuse's clip is the one applied). Drop gradient_clipping from the "
                  "DeepSpeed config to silence this.")

@@ -214,8 +214,8 @@ def check_checkpoint(G, handle, stage):
     assert ckpt["gradfuse"]["step"] == steps
 
 
-def check_refusals(rank, world):
-    """What cannot be done on fragments refuses, naming the option."""
+def check_options(rank, world):
+    """What cannot be done on fragments refuses, naming the option; the flight recorder works."""
     engine = make_engine(2, torch.float32, 0.0)
     for kwargs, words in (({"noise_scale": True}, "noise_scale="), ({"histogram": True}, "histogram="),
                           ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value="),
@@ -233,12 +233,46 @@ def check_refusals(rank, world):
     else:
         raise AssertionError("a model with an engine was not refused")
     assert "step" not in engine.optimizer.__dict__  # nothing left behind by the refused attachments
+    try:
+        gradfuse.attach(engine, recorder=gradfuse.FlightRecorder(record_updates=True))
+    except ValueError as e:
+        assert "record_updates=True" in str(e)
+    else:
+        raise AssertionError("record_updates was not refused")
+    check_recorder(engine, rank)
+
+
+def check_recorder(engine, rank):
+    """The flight recorder keeps each step's loss (handle.loss) and the full gradients' norm."""
+    handle = gradfuse.attach(engine, recorder=True, every=0)
+    losses, norms = [], []
+    for step in range(2):
+        for micro in range(ACCUMULATE):
+            x, y = batch(70 + step, micro, rank)
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            if micro == ACCUMULATE - 1:
+                handle.loss(loss.detach())
+                losses.append(loss.item())
+            engine.step()
+        norms.append(float(handle.last_report.stats.total_norm))
+    header, arrays = handle.monitor.recorder.unroll()
+    scalars = arrays["scalars"]
+    assert scalars[:, header["scalar_fields"].index("loss")].tolist() == pytest_approx(losses)
+    assert scalars[:, header["scalar_fields"].index("grad_norm")].tolist() == pytest_approx(norms)
+    assert min(norms) > 0
+    handle.detach()
+
+
+def pytest_approx(values):
+    import pytest
+    return pytest.approx(values, rel=1e-5)
 
 
 CHECKS = {
     **{f"stage{s}_fp32": functools.partial(check_stage, s, torch.float32) for s in (0, 1, 2, 3)},
     **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (1, 2, 3)},
-    "refusals": check_refusals,
+    "options": check_options,
 }
 
 
