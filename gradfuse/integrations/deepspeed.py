@@ -52,7 +52,6 @@ REFUSED_OPTIONS = {
     "histogram": "the exponent histograms of fragments are not reduced across ranks",
     "clip_value": "the clamped-element counts of fragments are not reduced across ranks",
     "agc": "adaptive clipping needs each parameter's whole weight, which ZeRO-3 partitions",
-    "per": "per-parameter and per-layer clipping of fragments is not supported with DeepSpeed yet",
     "activations": "not supported with DeepSpeed yet",
     "trace_nonfinite": "not supported with DeepSpeed yet",
     "activation_modules": "not supported with DeepSpeed yet",
