@@ -300,7 +300,7 @@ def check_per(rank, world):
 
 CHECKS = {
     **{f"stage{s}_fp32": functools.partial(check_stage, s, torch.float32) for s in (0, 1, 2, 3)},
-    **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (1, 2, 3)},
+    **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (0, 1, 2, 3)},
     "options": check_options,
     "per": check_per,
 }

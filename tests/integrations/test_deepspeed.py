@@ -1,4 +1,4 @@
-"""gradfuse.attach on a DeepSpeed engine, ZeRO stages 0-3 in float32 and stages 1-3 in bfloat16,
+"""gradfuse.attach on a DeepSpeed engine, ZeRO stages 0-3 in float32 and bfloat16,
 on 2 gloo processes on the CPU (one process pair for the whole module, several checks per run):
 the rows equal those of the full averaged gradient (safe_get_full_grad, plain DDP), one
 collective per step, the clip equals DeepSpeed's own, a skipped step is DeepSpeed's overflow
