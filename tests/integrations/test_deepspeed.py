@@ -4,6 +4,7 @@ the rows equal those of the full averaged gradient (safe_get_full_grad, plain DD
 collective per step, the clip equals DeepSpeed's own, a skipped step is DeepSpeed's overflow
 skip, the checkpoint carries the monitor's state, unsupported options refuse; and, in this
 process, the configurations that refuse."""
+import importlib.util
 import json
 import socket
 import types
@@ -13,7 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo_checks import assert_ranks_ok
 
-pytest.importorskip("deepspeed")
+# Not imported here: DeepSpeed sets itself up on import (its accelerator, its logger); only the
+# spawned processes import it.
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("needs deepspeed (requirements-deepspeed.txt)", allow_module_level=True)
 
 import deepspeed_workers as W  # noqa: E402
 

@@ -2,6 +2,7 @@
 on 2 gloo processes on the CPU (one process pair for the module): gradfuse's records reach the
 Trainer's logs and the sinks, its total norm is the Trainer's grad_norm, and its clip trains as
 DeepSpeed's own clip does (the same losses)."""
+import importlib.util
 import json
 import socket
 
@@ -9,7 +10,10 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytest.importorskip("deepspeed")
+# Not imported here: DeepSpeed sets itself up on import (its accelerator, its logger); only the
+# spawned processes import it.
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("needs deepspeed (requirements-deepspeed.txt)", allow_module_level=True)
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
