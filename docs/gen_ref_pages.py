@@ -61,6 +61,8 @@ MODULES = [
     ("gradfuse.integrations.lightning", "gradfuse.integrations.lightning", ["GradfuseCallback"]),
     ("gradfuse.integrations.transformers", "gradfuse.integrations.transformers",
      ["GradfuseCallback", "attach"]),
+    ("gradfuse.integrations.deepspeed", "gradfuse.integrations.deepspeed",
+     ["DeepSpeedAttachment", "attach_engine", "unsupported_setting", "check_version"]),
 ]
 
 

@@ -12,7 +12,7 @@ import warnings
 
 # Frames of these packages are not the user's line: warnings point past them.
 FRAMEWORK_PACKAGES = ("gradfuse", "torch", "lightning", "pytorch_lightning", "lightning_fabric",
-                      "transformers", "accelerate")
+                      "transformers", "accelerate", "deepspeed")
 
 
 def _framework_dirs() -> tuple[str, ...]:

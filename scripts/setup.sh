@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh checkout: .venv, its requirements, then builds gradfuse._C in place.
-#   bash scripts/setup.sh test   (the default; scripts/test.sh, CI) requirements-dev.txt, and the
+#   bash scripts/setup.sh test   (the default; scripts/test.sh, CI) requirements-dev.txt (then
+#                                requirements-deepspeed.txt, against that torch), and the
 #                                CPU and CUDA kernels (CUDA whenever a toolkit is found, for the
 #                                emulated-grid and SASS-budget tests), for every default GPU arch
 #   bash scripts/setup.sh demo   (scripts/demo.sh) requirements-demo.txt and the CPU kernels only
@@ -32,6 +33,12 @@ echo "[setup] installing $REQUIREMENTS (torch 2.14.1 is several GB the first tim
 # (this machine's pip config names local mirrors that may be absent; their warnings are noise)
 .venv/bin/python -m pip install -q --disable-pip-version-check ${PIP_EXTRA[@]+"${PIP_EXTRA[@]}"} -r "$REQUIREMENTS" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
+if [ "$MODE" = test ]; then
+  # DeepSpeed's setup.py imports torch: a second call, against the torch installed above (no
+  # build isolation), building none of its ops (DS_BUILD_OPS=0). pip skips it once installed.
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
+    -r requirements-deepspeed.txt 2> >(grep -v "^WARNING: Location 'file:" >&2)
+fi
 
 # What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load),
 # and on a second line gradfuse.build_info() as JSON.

@@ -246,6 +246,20 @@ def run_cell(cell: str, base: Path, pytest_args: list[str], install_only: bool) 
     return result
 
 
+# What the table's page says of the optional training frameworks (not measured by the cells).
+FRAMEWORKS = (
+    "## Training frameworks\n\n"
+    "The optional integrations are tested against the versions `bash scripts/setup.sh test` installs;\n"
+    "the matrix cells above install requirements-dev.txt only, so there the DeepSpeed tests skip.\n\n"
+    "| framework | tested | accepted | tests |\n"
+    "|---|---|---|---|\n"
+    "| DeepSpeed (ZeRO 0-3, `gradfuse.attach(engine)`) | 0.19.8, on torch 2.14.1, CPU, 2 gloo processes; "
+    "with transformers 5.25.0 and accelerate 1.16.0 for the Trainer | `>=0.19,<0.20` "
+    "(`gradfuse.integrations.deepspeed.TESTED_VERSIONS`); any other version is refused, as gradfuse reads "
+    "DeepSpeed's gradient fragments through accessors that move between releases | "
+    "tests/integrations/test_deepspeed.py, test_transformers_deepspeed.py |\n")
+
+
 def write_table(base: Path, pytest_args: list[str]) -> None:
     results = []
     for path in sorted((base / "results").glob("py*.json")):
@@ -292,7 +306,8 @@ the local nvcc's (setup.py refuses a mismatch).
 {provenance(results)}
 
 {chr(10).join(notes)}
-"""
+
+{FRAMEWORKS}"""
     TABLE.parent.mkdir(exist_ok=True)
     TABLE.write_text(text)
     log(f"wrote {TABLE}")

@@ -201,6 +201,16 @@ class GradWatch:
         except (AttributeError, RuntimeError):  # a gradfuse._C built before scale_by
             return False
 
+    def named_grads(self) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, gradients) of the watched parameters that have a gradient now: what the
+        monitor's clipping modes scale.
+
+        Returns:
+            tuple: The names and the gradients, in the order of ``names``.
+        """
+        names, _params, grads = with_grads(self.names, self.params)
+        return names, grads
+
     def _fast_ready(self) -> bool:
         if self._module is not None and self._resolved_at != _registrations:
             self.refresh()

@@ -375,7 +375,10 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     Args:
         optimizer: one optimizer, or several that step the same model: the monitor runs before
             the first of them steps in each round and its decision (skip or not) holds for all
-            (a round ends once each has stepped, or when one steps again).
+            (a round ends once each has stepped, or when one steps again). Or a DeepSpeed engine
+            (what ``deepspeed.initialize`` returns first; ZeRO stages 0-3): then the monitor runs
+            where the engine steps its optimizer, on the full averaged gradients, and the handle is a
+            ``gradfuse.integrations.deepspeed.DeepSpeedAttachment`` (see the DeepSpeed guide).
         model: names the parameters (else the optimizer's own names, or ``group{g}.{i}``).
             Watched are the parameters the optimizer(s) update.
         scaler: the ``torch.amp.GradScaler`` of the loop (``scaler.step(optimizer)``): then the
@@ -405,8 +408,8 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or a non-empty list of
-            them), or ``monitor_kwargs`` sets ``optimizer``, ``model`` or ``module`` (attach
-            sets them itself).
+            them) or a DeepSpeed engine, or ``monitor_kwargs`` sets ``optimizer``, ``model`` or
+            ``module`` (attach sets them itself); ``model`` or ``scaler`` with a DeepSpeed engine.
         RuntimeError: an optimizer already has a gradfuse step gate (detach the first
             attachment before attaching again).
         ValueError: a bad monitor argument (see ``GradMonitor``).
@@ -423,6 +426,12 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         handle.detach()
         ```
     """
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(optimizer).__mro__):
+        if model is not None or scaler is not None:
+            raise TypeError("gradfuse.attach: a DeepSpeed engine names its own parameters and scales its own "
+                            "loss; pass it alone (gradfuse.attach(engine, max_norm=...))")
+        from gradfuse.integrations.deepspeed import attach_engine
+        return attach_engine(optimizer, **monitor_kwargs)
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("gradfuse.attach: expected a torch.optim.Optimizer or a list of them, got "

@@ -13,6 +13,12 @@ log, clipping or not) is answered by the monitor: one fused pass gives the stati
 decision, the clip and the ``grad_norm`` the Trainer logs. (Where the Trainer makes no such call,
 the monitor runs in ``on_pre_optimizer_step``.) The statistics go into the Trainer's logs, so
 they reach TensorBoard, W&B, ... through its own reporting.
+
+Under DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO stages 0-3) the engine steps inside the
+Trainer's backward, so the monitor runs there, on the engine (``gradfuse.integrations.deepspeed``):
+the statistics of the full averaged gradients, its clip in place of DeepSpeed's
+``gradient_clipping`` (which the Trainer sets from ``max_grad_norm``), and its total norm as the
+Trainer's ``grad_norm``.
 """
 from __future__ import annotations
 
@@ -89,6 +95,7 @@ class GradfuseCallback(TrainerCallback):
         self._trainer_max_grad_norm = None
         self._original_clip = None
         self._loss_seen = None  # the Trainer's running loss at the last update (flight recorder)
+        self._deepspeed = None  # under DeepSpeed: the engine's attachment (gradfuse.integrations.deepspeed)
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Trainer hook: makes the monitor and puts it where the Trainer clips.
@@ -105,6 +112,9 @@ class GradfuseCallback(TrainerCallback):
             elif own != f"max_norm={args.max_grad_norm:g}":
                 warn(f"gradfuse: {own} replaces the Trainer's max_grad_norm={args.max_grad_norm:g}")
             self._trainer_max_grad_norm = args.max_grad_norm  # set to 0 during each update
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            self._attach_deepspeed(state)
+            return
         optimizer = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)
@@ -138,11 +148,32 @@ class GradfuseCallback(TrainerCallback):
         self._gate = StepGate(optimizer, self._take_decision, on_skip=self._after_skip)
         self._take_over_norm_call()
 
+    def _attach_deepspeed(self, state) -> None:
+        """Under DeepSpeed: the monitor runs where the engine steps its optimizer (accelerate's
+        engine wrapper calls ``engine.step()`` inside the Trainer's backward, before any Trainer
+        hook of the update), through ``gradfuse.integrations.deepspeed``; it clips in place of
+        DeepSpeed's ``gradient_clipping`` (which the Trainer set from ``max_grad_norm``)."""
+        import warnings
+
+        from gradfuse.integrations.deepspeed import attach_engine
+        if self._deepspeed is None:
+            trainer = self.trainer
+            with warnings.catch_warnings():  # DeepSpeed's gradient_clipping is the Trainer's max_grad_norm
+                warnings.filterwarnings("ignore", message=r".*gradient_clipping=.* is off while gradfuse clips")
+                self._deepspeed = attach_engine(trainer.model_wrapped, max_norm=self.max_norm, every=0,
+                                                sinks=self.sinks if trainer.is_world_process_zero() else [],
+                                                **self.monitor_kwargs)
+            self.monitor = self._deepspeed.monitor
+        saved = (state.stateful_callbacks or {}).get(STATE_KEY)
+        if saved and state.global_step > 0:  # resuming from a checkpoint
+            self.monitor.load_state_dict(saved)
+        self._take_over_norm_call()
+
     def _take_over_norm_call(self) -> None:
         accelerator = self.trainer.accelerator
         from accelerate.utils import DistributedType
         kind = accelerator.distributed_type
-        if kind in (DistributedType.DEEPSPEED, DistributedType.XLA) or (
+        if kind == DistributedType.XLA or (
                 kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False)):
             return  # these compute the norm their own way; the monitor runs in on_pre_optimizer_step
         original = accelerator.clip_grad_norm_
@@ -151,6 +182,10 @@ class GradfuseCallback(TrainerCallback):
         def clip_grad_norm_(parameters, max_norm, norm_type=2, **kw):
             if norm_type != callback.monitor.norm_type:
                 return original(parameters, max_norm, norm_type, **kw)
+            if callback._deepspeed is not None:  # the monitor ran inside the engine's step
+                report = callback._deepspeed.last_report
+                callback.last_report = report
+                return None if report is None or report.stats is None else report.stats.total_norm
             return callback._run_monitor().stats.total_norm
 
         self._original_clip = ("clip_grad_norm_" in accelerator.__dict__, original)
@@ -197,6 +232,8 @@ class GradfuseCallback(TrainerCallback):
         arms the activation hooks, when asked for (full statistics on logged updates)."""
         if self._trainer_max_grad_norm is not None:
             args.max_grad_norm = 0.0  # back at on_step_end, before the Trainer logs or saves
+        if self._deepspeed is not None:
+            self.monitor.step_count = state.global_step + 1  # the number the Trainer gives this update
         # activations=True: hooks for the updates the Trainer will log (DefaultFlowCallback's rule)
         if self.monitor is not None and self.monitor.watches_activations:
             coming = state.global_step + 1
@@ -205,7 +242,11 @@ class GradfuseCallback(TrainerCallback):
             self.monitor.arm_activations(full=bool(logged))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """Trainer hook: the monitor's step for this update, and whether its optimizer step is skipped."""
+        """Trainer hook: the monitor's step for this update, and whether its optimizer step is skipped
+        (under DeepSpeed it ran inside the engine's step already)."""
+        if self._deepspeed is not None:
+            self.last_report = self._deepspeed.last_report
+            return
         self._skip_next = self._run_monitor().skip
 
     def _take_decision(self, optimizer) -> bool:
@@ -229,6 +270,7 @@ class GradfuseCallback(TrainerCallback):
             return
         record = self.monitor.record(report)
         self.monitor.write(record)
+        report.logged = True  # close() does not write it again
         m = metrics(record)
         logs.update(m)
         # The Trainer copied the logs into its history before calling back: complete that too.
@@ -262,6 +304,9 @@ class GradfuseCallback(TrainerCallback):
         if self._gate is not None:
             self._gate.remove()
             self._gate = None
+        if self._deepspeed is not None:  # the engine's step and clip setting restored; sinks stay open
+            self._deepspeed.detach(close=False)
+            self._deepspeed = None
         if self.monitor is not None:
             self.monitor.disarm_activations()  # no activation hook outlives train()
         if self._original_clip is not None:

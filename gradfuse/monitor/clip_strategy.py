@@ -127,11 +127,11 @@ def double_clip_message(call: str, name: str) -> str:
             "scaling), pass check_double_clip=False. (This warning is shown once.)")
 
 
-def monitor_clip_(s: GradStats, names_params, mode: dict, max_norm_now) -> GradStats:
-    """Clips the gradients ``s`` was taken of by the monitor's configured mode; ``max_norm_now``
-    is this step's float max_norm or a ZClip. Returns ``s`` with what was applied."""
-    names, params = names_params
-    _names, _params, grads = with_grads(names, params)
+def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now) -> GradStats:
+    """Clips the gradients ``s`` was taken of (``named_grads``: their names and tensors) by the
+    monitor's configured mode; ``max_norm_now`` is this step's float max_norm or a ZClip.
+    Returns ``s`` with what was applied."""
+    _names, grads = named_grads
     if isinstance(max_norm_now, ZClip):
         coef = max_norm_now.clip_coef(s.plain_total_norm)
         scale_total_(grads, coef, s.plain_total_norm.dtype)
@@ -157,10 +157,10 @@ def clip_other_modes_(s: GradStats, watch, max_norm_now, *, per: str | None, lay
         adaptive_clip_grad_(params, cf, eps, p)
         return s
     if clip_value is not None:
-        names, _params, grads = with_grads(watch.names, watch.params)
+        names, grads = watch.named_grads()
         clamped = clamp_stats_(names, grads, clip_value)
         s = s.replace()
         s.clamped, s.clip_value = clamped.clamped, clip_value
         return s
-    return monitor_clip_(s, (watch.names, watch.params), {"per": per, "layer_depth": layer_depth},
+    return monitor_clip_(s, watch.named_grads(), {"per": per, "layer_depth": layer_depth},
                          max_norm_now)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from gradfuse.core.amp import scaler_unscaled
-from gradfuse.core.watch import watch
+from gradfuse.core.watch import GradWatch, watch
 from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
@@ -44,7 +44,9 @@ class GradMonitor:
 
     Args:
         model: the module (or iterable of ``(name, parameter)`` pairs) to watch; held as a
-            ``gradfuse.watch`` handle (see there for when its parameters are re-resolved).
+            ``gradfuse.watch`` handle (see there for when its parameters are re-resolved). A
+            ``GradWatch`` is used as it is (``gradfuse.integrations.deepspeed`` passes one over
+            DeepSpeed ZeRO's gradient fragments).
         max_norm: clip by total norm to this value every step (as ``clip_grad_norm_``); None: no clip.
             Also a schedule, a callable of the step number returning the value (``lambda step:
             1.0 if step < 5000 else 0.5``; logged each logging step as ``max_norm``; a value that
@@ -181,7 +183,8 @@ class GradMonitor:
     Raises:
         ValueError: an argument is out of range: ``on_nonfinite`` / ``on_explode`` not one of
             ``"raise"``, ``"skip"``, ``"warn"``, ``"ignore"``; ``explode_threshold`` not > 0;
-            ``every`` < 0; ``max_norm`` or ``clip_value`` negative or NaN, ``norm_type`` NaN;
+            ``every`` < 0; ``max_norm`` or ``clip_value`` negative or NaN, ``norm_type`` NaN
+            (or not the ``norm_type`` of a ``GradWatch`` given as ``model``);
             ``per`` not None, ``"param"`` or ``"layer"``; a bad ``agc`` / ``agc_eps``; more than
             one of ``max_norm``, ``clip_value`` and ``agc``; ``per`` without a numeric (or
             schedule) ``max_norm``; ``sink_ranks`` neither a rank number nor ``"all"``;
@@ -227,10 +230,16 @@ class GradMonitor:
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
         self.recorder = flight.as_recorder(recorder)
         self.on_spike, self.spike_steps = (on_spike if self.recorder is not None else "ignore"), 0
-        if not isinstance(model, (nn.Module, torch.Tensor)):
+        if not isinstance(model, (nn.Module, torch.Tensor, GradWatch)):
             model = list(model)  # iterated every step
         self.source = model
-        self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
+        if isinstance(model, GradWatch):  # e.g. a FragmentWatch of DeepSpeed ZeRO's gradient fragments
+            if model.norm_type != self.norm_type:
+                raise ValueError(f"gradfuse.GradMonitor: the watch given has norm_type={model.norm_type}, "
+                                 f"the monitor norm_type={self.norm_type}")
+            self._watch = model
+        else:
+            self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
         self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
         self._double_clip = (DoubleClipCheck(self._watch.params, self._watch.names)
                              if check_double_clip and clip.modes else None)
@@ -247,7 +256,8 @@ class GradMonitor:
         self.scaler = scaler
         self.optimizer = optimizer
         named = model.named_parameters() if isinstance(model, nn.Module) else (
-            [] if isinstance(model, torch.Tensor) else model)
+            [] if isinstance(model, torch.Tensor) else
+            list(zip(model.names, model.params)) if isinstance(model, GradWatch) else model)
         self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
         self.enabled = enabled
         self.histogram = histogram  # exponent histograms and headroom on logging steps

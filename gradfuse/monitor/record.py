@@ -12,6 +12,7 @@ import torch
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.engine import fused_stats
 from gradfuse.core.params import named_grads
+from gradfuse.core.watch import GradWatch
 from gradfuse.monitor.report import StepReport
 from gradfuse.numerics import headroom
 from gradfuse.numerics.histogram import attach as attach_histogram
@@ -65,7 +66,10 @@ def _logged_max_norm(report: StepReport, max_norm_now):
 
 
 def _headroom_fields(source, layer_depth: int | None) -> dict:
-    names, _params, grads = named_grads(source)
+    if isinstance(source, GradWatch):  # a watch given to the monitor in place of a model
+        names, grads = source.named_grads()
+    else:
+        names, _params, grads = named_grads(source)
     detached = [g.detach() for g in grads]
     h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
                          names, detached)

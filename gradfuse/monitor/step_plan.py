@@ -21,7 +21,6 @@ from gradfuse.clip.schedule import ScheduleError
 from gradfuse.clip.value import clamp_stats_
 from gradfuse.core import amp
 from gradfuse.core.grad_stats import GradStats
-from gradfuse.core.params import with_grads
 from gradfuse.core.watch import GradWatch
 from gradfuse.monitor.clip_strategy import clip_other_modes_
 
@@ -58,7 +57,7 @@ class StepPlan:
         if self.clip_now:
             return self.watch.clip_(self.max_norm, rows=self.rows)
         if self.value_now:  # one pass: clamp, with the statistics from before clamping
-            names, _params, grads = with_grads(self.watch.names, self.watch.params)
+            names, grads = self.watch.named_grads()
             return clamp_stats_(names, grads, m.clip_value)
         return self.watch.stats(rows=self.rows)
 

@@ -39,6 +39,24 @@ def test_nonfinite_skip_names_parameters_and_leaves_grads():
     assert mon.skipped_steps == 1 and mon.anomaly_steps == 1 and mon.clipped_steps == 0
 
 
+def test_a_watch_given_as_the_model_is_used_as_it_is():
+    model = make_model()
+    handle = gradfuse.watch(model)
+    mon = GradMonitor(handle, max_norm=0.01, every=0)
+    backward(model, scale=100.0)
+    expected = gradfuse.stats(model).to_dict()
+    r = mon.step()
+    assert mon._watch is handle and handle.last_path is not None
+    got = r.stats.to_dict()
+    assert got["total_norm"] == pytest.approx(expected["total_norm"]) and expected["total_norm"] > 0.01
+    assert got["params"].keys() == expected["params"].keys()
+    for name, row in expected["params"].items():
+        assert got["params"][name] == pytest.approx(row)
+    assert gradfuse.stats(model).to_dict()["total_norm"] == pytest.approx(0.01, rel=1e-4)  # clipped through it
+    with pytest.raises(ValueError, match="the watch given has norm_type=2.0"):
+        GradMonitor(handle, norm_type=1.0)
+
+
 def test_nonfinite_raise():
     model = make_model()
     mon = GradMonitor(model, on_nonfinite="raise")
