@@ -11,6 +11,7 @@
 #include "common/update_math.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/hist_kernels.h"
+#include "cpu/step_kernels.h"
 #include "generated/build_config.h"  // written by setup.py
 
 
@@ -104,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["update_stats_layout"] = pybind11::make_tuple(update_float, update_count);
 #undef GRADFUSE_NAME_OF
     d["best_cpu_capability"] = gradfuse::cpu::best_cpu_capability();
+    d["step_torch_sqrt"] = gradfuse::cpu::step_torch_sqrt_available();
 #ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
     d["histogram_avx512"] = gradfuse::cpu::histogram_avx512_available();
 #else
@@ -115,6 +117,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The build of the CPU kernels in use: 'avx2' or 'default'.");
   m.def("set_cpu_capability", &gradfuse::cpu::set_cpu_capability,
         "Force the CPU kernels: 'default' or 'avx2'.");
+  m.def("step_torch_sqrt", &gradfuse::cpu::step_torch_sqrt,
+        "Whether the CPU optimizer step takes torch's float/double sqrt (MKL's) rather than a correctly rounded one.");
+  m.def("set_step_torch_sqrt", &gradfuse::cpu::set_step_torch_sqrt,
+        "True (the default): the CPU optimizer step takes torch's sqrt where it is MKL's; False: a correctly rounded "
+        "one, as the CUDA kernels.");
 #ifdef GRADFUSE_HAVE_AVX2_HISTOGRAM
   m.def("histogram_avx512", &gradfuse::cpu::histogram_avx512,
         "Whether the AVX2 histogram kernels count with their AVX-512 loop.");

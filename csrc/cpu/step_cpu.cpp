@@ -38,6 +38,8 @@ void torch_sqrt_f64(int64_t n, const double* x, double* out) {
   vmdSqrt(static_cast<int>(n), x, out, kTorchVmlMode);
 }
 
+std::atomic<bool> use_torch_sqrt{true};
+
 StepChunksFn step_kernel_for(const std::string& isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (isa == "avx2") return AVX2::step_chunks;
@@ -117,8 +119,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
                       grad_scale.has_value() ? grad_scale->to(at::kDouble).item<double>() : 1.0,
                       update_coefs.has_value() ? update_dense.const_data_ptr<double>() : nullptr,
                       write,
-                      vmsSqrt != nullptr ? torch_sqrt_f32 : nullptr,
-                      vmdSqrt != nullptr ? torch_sqrt_f64 : nullptr};
+                      step_torch_sqrt() ? torch_sqrt_f32 : nullptr,
+                      step_torch_sqrt() ? torch_sqrt_f64 : nullptr};
   const StepChunksFn kern = step_kernel_for(active_cpu_capability());
   const int64_t chunks = plan.num_chunks();
   if (!stats) {
@@ -153,6 +155,18 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
 }
 
 }  // namespace
+
+bool step_torch_sqrt_available() {
+  return vmsSqrt != nullptr && vmdSqrt != nullptr;
+}
+
+bool step_torch_sqrt() {
+  return use_torch_sqrt.load() && step_torch_sqrt_available();
+}
+
+void set_step_torch_sqrt(bool on) {
+  use_torch_sqrt.store(on);
+}
 
 TORCH_LIBRARY_IMPL(gradfuse, CPU, m) {
   m.impl("multi_tensor_optim_step_", &multi_tensor_optim_step_cpu);

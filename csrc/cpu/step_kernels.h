@@ -41,6 +41,12 @@ struct StepArgs {
 using StepChunksFn = void (*)(const StepArgs&, int64_t begin, int64_t end, void* float_partials,
                               int64_t* count_partials);
 
+// Whether the step takes torch's float / double sqrt (MKL's, where torch's CPU sqrt is MKL's; the
+// default) or a correctly rounded one, as the CUDA kernels do (the emulated grid compares them).
+bool step_torch_sqrt_available();
+bool step_torch_sqrt();
+void set_step_torch_sqrt(bool on);
+
 #define GRADFUSE_DECLARE_CPU_STEP_KERNELS(ISA)                                      \
   namespace ISA {                                                                   \
   void step_chunks(const StepArgs&, int64_t, int64_t, void*, int64_t*);             \
