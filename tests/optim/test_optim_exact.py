@@ -99,3 +99,9 @@ def test_16bit_sgd_follows_torchs_thread_split(threads, dtype):
         _run("SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.02), dtype, steps=2)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name, kwargs", [CONFIGS[3], CONFIGS[10]], ids=["SGD-nesterov", "AdamW-amsgrad"])
+def test_both_cpu_kernel_builds(name, kwargs, dtype, cpu_capability):
+    _run(name, kwargs, dtype, steps=2)
