@@ -111,7 +111,8 @@ def test_write_false_changes_nothing_and_gives_the_same_rows():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.__setitem__(5, torch.zeros(2, 12, dtype=torch.float64)), r"coefs must be a contiguous float64 \[3, 12\]"),
+    (lambda a: a.__setitem__(5, torch.zeros(2, 12, dtype=torch.float64)),
+     r"coefs must be a contiguous float64 \[3, 12\]"),
     (lambda a: a.__setitem__(6, 2), "rule must be 0"),
     (lambda a: a.__setitem__(2, [torch.empty(0)] * 3), r"Adam's step needs moment1\[0\]"),
 ])
