@@ -51,6 +51,7 @@ MODULES = [
     ("gradfuse.numerics.headroom", "gradfuse.headroom", None),
     ("gradfuse.activations", "gradfuse.activations", None),
     ("gradfuse.dynamics", "gradfuse.dynamics", None),
+    ("gradfuse.optim", "gradfuse.optim", None),
     ("gradfuse.viz.explain", "gradfuse.viz.explain", ["Diagnosis", "Event", "Departure", "NonFiniteOrigin",
                                                       "plot_dump", "dump_figure"]),
     ("gradfuse.viz.updates", "gradfuse.viz.updates", ["plot_updates", "update_figure", "has_updates",

@@ -39,6 +39,11 @@ class StepRows:
     floats: torch.Tensor
     counts: torch.Tensor
 
+    def update_rms(self) -> torch.Tensor:
+        """Per parameter, the RMS of the update applied, ``sqrt(update_sumsq / numel)`` (float64, on
+        the device; NaN for an empty parameter)."""
+        return (self.floats[:, UPDATE_SUMSQ] / self.counts[:, UPDATE_NUMEL].to(torch.float64)).sqrt()
+
 
 def refuse_unsupported(optimizer, group: dict) -> None:
     """Raises ValueError, naming the setting, for what the fused step does not do (when the
