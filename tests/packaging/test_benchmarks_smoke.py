@@ -110,6 +110,17 @@ def test_update_op_bench_smoke():
             assert f"| {rule} | {dtype} |" in proc.stdout, proc.stdout
 
 
+def test_optim_step_bench_smoke():
+    """benchmarks/optim_step.py on tiny shapes (one round, not a timing): every variant and dtype."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optim_step.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for dtype in ("float32", "bfloat16"):
+        for variant in ("torch foreach", "torch fused=True", "gradfuse.optim.AdamW", "copy of the same bytes"):
+            assert f"| {dtype} | {variant} |" in proc.stdout, proc.stdout
+
+
 def test_full_health_bench_smoke():
     """benchmarks/full_health.py on a one-layer GPT-2 (one step, not a timing): the three variants
     and their peak memory in fresh processes."""
