@@ -1,10 +1,10 @@
 """gradfuse.optim's step of FSDP2-sharded parameters (2 gloo ranks on CPU) equals torch's step of the
 same sharded model bit for bit. See tests/optim/optim_sharded_workers.py."""
 import dist_workers
+import optim_sharded_workers
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import optim_sharded_workers
 from gloo_checks import assert_ranks_ok
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
