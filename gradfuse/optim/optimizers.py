@@ -5,6 +5,9 @@ Layer: optim. Imports ``gradfuse.optim.fused``.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from gradfuse.optim.fused import StepRows, check_max_update_rms, fused_step, refuse_unsupported
@@ -80,6 +83,7 @@ def from_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     Raises:
         TypeError: ``optimizer`` is not exactly one of the three torch classes.
+        ValueError: its ``step`` is wrapped by something other than an LR scheduler.
         ValueError: a setting the fused step does not take (``differentiable``, ``fused``,
             ``capturable``, complex parameters), named.
     """
@@ -91,5 +95,28 @@ def from_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                         f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
     for group in optimizer.param_groups:
         refuse_unsupported(fused.__new__(fused), group)
+    wrapped = optimizer.__dict__.get("step")  # an instance-level wrapper of the torch class's step
+    if wrapped is not None and not getattr(wrapped, "_wrapped_by_lr_sched", False):
+        raise ValueError("gradfuse.optim.from_torch: the optimizer's step is wrapped by something other than an "
+                         "LR scheduler; adopt the optimizer before wrapping its step")
     optimizer.__class__ = fused
+    optimizer._patch_step_function()  # torch's step hooks, on the fused class's step
+    if wrapped is not None:
+        optimizer.step = _scheduler_wrapper(optimizer)
     return optimizer
+
+
+def _scheduler_wrapper(optimizer):
+    """An LR scheduler's wrapper of ``step`` (torch.optim.lr_scheduler's ``patch_track_step_called``:
+    marks ``_opt_called``), now of the fused class's step."""
+    opt_ref = weakref.ref(optimizer)
+    func = type(optimizer).step
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        opt = opt_ref()
+        opt._opt_called = True
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    return wrapper

@@ -126,3 +126,31 @@ def test_bad_arguments_give_the_references_messages(mutate, message):
         mutate(args)
         with pytest.raises(RuntimeError, match=message):
             fn(*args)
+
+
+def test_from_torch_keeps_a_scheduler_attached_before_and_the_hooks():
+    p = torch.nn.Parameter(torch.randn(10))
+    q = torch.nn.Parameter(p.detach().clone())
+    plain = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    adopted = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (plain, adopted)]
+    assert gradfuse.optim.from_torch(adopted) is adopted
+    calls = []
+    adopted.register_step_post_hook(lambda *args: calls.append(1))
+    for _ in range(5):
+        g = torch.randn(10)
+        p.grad, q.grad = g.clone(), g.clone()
+        plain.step()
+        adopted.step(stats=True)  # a fused step: its rows
+        for s in schedulers:
+            s.step()  # no "lr_scheduler.step() before optimizer.step()" warning (warnings are errors here)
+    assert len(adopted.last_rows) == 1 and len(calls) == 5
+    assert torch.equal(p, q) and schedulers[0].get_last_lr() == schedulers[1].get_last_lr() == [0.025]
+
+
+def test_from_torch_refuses_what_it_cannot_adopt():
+    with pytest.raises(TypeError, match="takes a torch.optim.SGD, Adam or AdamW, got torch.optim.rmsprop.RMSprop"):
+        gradfuse.optim.from_torch(torch.optim.RMSprop([torch.nn.Parameter(torch.ones(2))]))
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], differentiable=True)
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        gradfuse.optim.from_torch(opt)
