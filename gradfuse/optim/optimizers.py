@@ -19,9 +19,12 @@ class FusedStep:
     schedulers, ``param_groups``, ``add_param_group``, the step hooks, ``zero_grad`` and
     ``state_dict`` are torch's own."""
 
-    #: The update-statistics rows of the latest ``step(stats=True)``, one entry per (device, dtype)
-    #: group (``gradfuse.optim.fused.StepRows``); empty after a step without statistics.
-    last_rows: list[StepRows]
+    @property
+    def last_rows(self) -> list[StepRows]:
+        """The update-statistics rows of the latest ``step(stats=True)``, one entry per (device,
+        dtype) group (``gradfuse.optim.StepRows``); empty before any step, after a step without
+        statistics, and in a copy (``state_dict``, pickle and deepcopy carry torch's state only)."""
+        return self.__dict__.get("_step_rows", [])
 
     def add_param_group(self, param_group: dict) -> None:
         """Torch's ``add_param_group``, then the fused step's checks of the new group."""
@@ -54,7 +57,7 @@ class FusedStep:
             with torch.enable_grad():
                 loss = closure()
         limit = check_max_update_rms(f"gradfuse.optim.{type(self).__name__}", max_update_rms)
-        self.last_rows = fused_step(self, grad_scale=grad_scale, skip=skip, max_update_rms=limit, stats=stats)
+        self._step_rows = fused_step(self, grad_scale=grad_scale, skip=skip, max_update_rms=limit, stats=stats)
         return loss
 
 
