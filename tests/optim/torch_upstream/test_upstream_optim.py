@@ -6,11 +6,12 @@
 # ruff: noqa: B023, E402  (the copied closures use their loop's variables within the same iteration;
 # the imports follow the skip without expecttest)
 """torch's own tests of its optimizers (class ``TestOptimRenewed`` of test/test_optim.py, read at
-commit a8ad7b74fcf731888429aa32e06d839947a0e321 of PyTorch's history: torch's tests at the time
-of the installed torch 2.14.1), run on ``gradfuse.optim.SGD``, ``Adam`` and ``AdamW``: the state
-dict (round trips, older and named state dicts, save/load with ``weights_only``, a non-tensor
-step), its hooks, the step hooks, LR schedulers, parameter groups, zero and absent gradients,
-printing, ``deepcopy``, the construction errors, tensor learning rates.
+commit a8ad7b74fcf731888429aa32e06d839947a0e321 of PyTorch's main branch, as the v2.14.1 tag's
+copy was not at hand; the methods copied here run on torch 2.14.1's own ``common_optimizers``),
+run on ``gradfuse.optim.SGD``, ``Adam`` and ``AdamW``: the state dict (round trips, older and
+named state dicts, save/load with ``weights_only``, a non-tensor step), its hooks, the step hooks,
+LR schedulers, parameter groups, zero and absent gradients, printing, ``deepcopy``, the
+construction errors, tensor learning rates.
 
 Copied unchanged: the test methods below; ``optim_db`` is
 ``torch_upstream_helpers.optim_db``: torch's OptimizerInfo entries of the three optimizers with

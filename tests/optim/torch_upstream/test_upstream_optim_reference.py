@@ -7,7 +7,7 @@
 """torch's tests that compare two implementations of an optimizer (``test_foreach_matches_forloop``,
 ``test_fused_matches_forloop``, ``test_set_default_dtype_works_with_foreach`` and
 ``test_mixed_device_dtype`` of ``TestOptimRenewed`` in test/test_optim.py, read at commit
-a8ad7b74fcf731888429aa32e06d839947a0e321 of PyTorch's history), with torch's class (its default
+a8ad7b74fcf731888429aa32e06d839947a0e321 of PyTorch's main branch), with torch's class (its default
 CPU step: the for-loop) as one implementation and gradfuse's as the other, over the inputs of
 torch's OptimizerInfo database (``torch_upstream_helpers.optim_db``), on the CPU.
 
