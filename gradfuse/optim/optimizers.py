@@ -27,9 +27,25 @@ class FusedStep:
         return self.__dict__.get("_step_rows", [])
 
     def add_param_group(self, param_group: dict) -> None:
-        """Torch's ``add_param_group``, then the fused step's checks of the new group."""
+        """Torch's ``add_param_group``, then the fused step's checks of the new group (a refused
+        group is not added)."""
         super().add_param_group(param_group)
-        refuse_unsupported(self, self.param_groups[-1])
+        try:
+            refuse_unsupported(self, self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Torch's ``load_state_dict``, refusing what the fused step does not do (as the
+        constructor). A state dict of torch's ``fused=True`` optimizer loads: its groups then say
+        ``fused=None``, since this optimizer steps with its own fused pass."""
+        for group in state_dict["param_groups"]:
+            refuse_unsupported(self, {**group, "fused": None, "params": []})
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group.get("fused"):
+                group["fused"] = None
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,

@@ -1,5 +1,4 @@
-"""gradfuse.optim's classes as torch's where torch's own tests (tests/optim/torch_upstream/) do not
-look: ``isinstance`` with torch's classes, LR schedulers giving torch's lrs and weights, state dicts
+"""gradfuse.optim's classes as torch's, beyond torch's database of settings (test_optim_db.py): ``isinstance`` with torch's classes, LR schedulers giving torch's lrs and weights, state dicts
 crossing between torch's classes and gradfuse's and continuing bit for bit, the step hooks, the
 refusals and their messages, ``from_torch``, non-contiguous parameters, sparse gradients, the
 closure's return value, pickling."""
@@ -159,8 +158,6 @@ def test_add_param_group_refuses_a_fused_group():
         optimizer.add_param_group({"params": [extra], "fused": True})
 
 
-@pytest.mark.xfail(strict=True, reason="add_param_group checks the group after torch's add_param_group has "
-                   "appended it: the refused group stays in param_groups (and steps)")
 def test_a_refused_param_group_is_not_added():
     optimizer = gradfuse.optim.Adam(_model().parameters(), lr=0.1)
     extra = nn.Parameter(torch.randn(3))
@@ -281,9 +278,6 @@ def test_from_torch_with_a_scheduler_attached_before_gives_torchs_lrs_and_weight
     _assert_same(reference.parameters(), model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="a scheduler made before from_torch wrapped the instance's step around "
-                   "torch's Adam.step: after the adoption, optimizer.step() still runs torch's step (no stats=, "
-                   "no grad_scale=, no last_rows)")
 def test_from_torch_with_a_scheduler_attached_before_runs_the_fused_step():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -293,9 +287,6 @@ def test_from_torch_with_a_scheduler_attached_before_runs_the_fused_step():
     assert len(optimizer.last_rows) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="from_torch changes the class without torch's _patch_step_function: in a "
-                   "process where no gradfuse.optim.Adam was made yet, its step is not wrapped by torch's "
-                   "hook machinery, so the step hooks (the instance's and the global ones) do not run")
 def test_from_torch_keeps_the_step_hooks(monkeypatch):
     # gradfuse.optim.Adam as in a process that has not made one yet: torch wraps a class's step
     # (Optimizer._patch_step_function) when its first instance is made
@@ -366,3 +357,16 @@ def test_pickled_and_deepcopied_optimizers_continue_as_torchs(torch_cls, fused_c
     for (_, torch_params, torch_opt), (_, params, optimizer) in zip(runs[:2], runs[2:]):
         _assert_same(torch_params, params)
         _assert_same(_state_tensors(torch_opt), _state_tensors(optimizer))
+
+
+def test_a_state_dict_of_torchs_fused_optimizer_loads_and_one_with_capturable_is_refused():
+    model = _model()
+    fused = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    _train_step(model, fused)
+    ours = gradfuse.optim.Adam(model.parameters(), lr=0.05)
+    ours.load_state_dict(fused.state_dict())
+    assert ours.param_groups[0]["fused"] is None and len(ours.state) > 0
+    state = fused.state_dict()
+    state["param_groups"][0]["capturable"] = True
+    with pytest.raises(ValueError, match="capturable=True is not supported"):
+        gradfuse.optim.Adam(model.parameters(), lr=0.05).load_state_dict(state)

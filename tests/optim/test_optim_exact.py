@@ -41,12 +41,18 @@ _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (a NaN equals a NaN of the same bits; torch.equal says NaN != NaN)."""
+    """Equal bit for bit, where a NaN equals any NaN: torch's own loops differ in the NaN bits they
+    make (its vector `maximum` gives an all-ones NaN, its scalar one the canonical quiet NaN), so
+    only NaN-ness is compared there (torch.equal says NaN != NaN)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype not in _BITS:
         return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(_BITS[a.dtype]), b.contiguous().view(_BITS[b.dtype]))
+    nan_a, nan_b = a.isnan(), b.isnan()
+    if not torch.equal(nan_a, nan_b):
+        return False
+    bits = _BITS[a.dtype]
+    return torch.equal(a.contiguous().view(bits)[~nan_a], b.contiguous().view(bits)[~nan_b])
 
 
 def _state_tensors(opt, params):
