@@ -1,4 +1,5 @@
-"""gradfuse.optim's classes as torch's, beyond torch's database of settings (test_optim_db.py): ``isinstance`` with torch's classes, LR schedulers giving torch's lrs and weights, state dicts
+"""gradfuse.optim's classes as torch's, beyond torch's database of settings (test_optim_db.py):
+``isinstance`` with torch's classes, LR schedulers giving torch's lrs and weights, state dicts
 crossing between torch's classes and gradfuse's and continuing bit for bit, the step hooks, the
 refusals and their messages, ``from_torch``, non-contiguous parameters, sparse gradients, the
 closure's return value, pickling."""
