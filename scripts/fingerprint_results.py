@@ -9,7 +9,9 @@ restructuring):
 
 The result sets, all on the CPU, from fixed seeds: the statistics rows for every dtype and several
 norm orders (under both CPU capabilities where the build has AVX2), the moments op, exponent
-histograms and headroom, clipping by total norm, per parameter, per layer, by value and AGC,
+histograms and headroom, the optimizer-update statistics and the update clip (SGD and Adam / AdamW
+configurations, every dtype, both CPU capabilities), clipping by total norm, per parameter, per
+layer, by value and AGC,
 ``clip_grad_norm_``, the AMP unscale, activation capture (forward and backward, with histograms),
 and five monitored steps with clipping, the noise scale, update ratios, histograms and
 activations (the records as the JSONL sink writes them). ``GradStats.to_dict()`` and ``table()``
@@ -31,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradfuse  # noqa: E402
-from gradfuse.ops import library  # noqa: E402
+from gradfuse.ops import layout, library  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -78,6 +80,67 @@ def tensors(dtype, seed: int) -> list[torch.Tensor]:
     return out + [big[1:], big[3:65536 + 20]]
 
 
+# The update ops' configurations: (name, rule, lr, weight_decay, beta1, beta2, eps, step, flags, state
+# present). SGD reads beta1 as momentum, beta2 as dampening.
+UPDATE_CONFIGS = [
+    ("sgd_wd", layout.RULE_SGD, 0.05, 1e-2, 0.0, 0.0, 0.0, 0.0, 0, False),
+    ("momentum_dampening_maximize", layout.RULE_SGD, 0.02, 1e-2, 0.9, 0.3, 0.0, 0.0, layout.FLAG_MAXIMIZE, True),
+    ("momentum_first_step", layout.RULE_SGD, 0.1, 1e-2, 0.9, 0.1, 0.0, 0.0, 0, False),
+    ("nesterov_wd", layout.RULE_SGD, 0.1, 1e-2, 0.9, 0.0, 0.0, 0.0, layout.FLAG_NESTEROV, True),
+    ("adam_first_step", layout.RULE_ADAM, 1e-3, 0.0, 0.9, 0.999, 1e-8, 1, 0, False),
+    ("amsgrad_l2_maximize", layout.RULE_ADAM, 1e-3, 1e-2, 0.9, 0.999, 1e-8, 100,
+     layout.FLAG_AMSGRAD | layout.FLAG_MAXIMIZE, True),
+    ("adamw", layout.RULE_ADAM, 1e-3, 1e-2, 0.9, 0.999, 1e-8, 5, layout.FLAG_DECOUPLED, True),
+]
+
+
+def update_inputs(config, dtype, seed: int):
+    """params, grads, moment1, moment2, moment2_max, hyper, rule of one call of the update ops: sizes
+    around the chunk, an empty tensor, zeros (eps-dominated elements), and NaN / Inf in the last
+    tensor only (a non-finite element makes its tensor's sums NaN or Inf)."""
+    _, rule, lr, wd, b1, b2, eps, step, flags, state = config
+    g = torch.Generator().manual_seed(seed)
+    sizes = [7, 0, 65536 + 3, 2 * 65536 + 17, 33, 65536 + 40]
+
+    def draw(n, scale, positive=False):
+        x = torch.rand(n, generator=g, dtype=torch.float64) if positive else torch.randn(
+            n, generator=g, dtype=torch.float64)
+        return (x * scale).to(dtype)
+
+    params, grads, m1, m2, m2max = [], [], [], [], []
+    absent = torch.empty(0, dtype=dtype)
+    for n in sizes:
+        w, gr, m, v = draw(n, 1.0), draw(n, 0.5), draw(n, 0.1), draw(n, 0.01, positive=True)
+        vmax = (v.double() + draw(n, 0.001, positive=True).double()).to(dtype)
+        for x in (gr, m, v, vmax):
+            x[::5] = 0
+        params.append(w)
+        grads.append(gr)
+        m1.append(m if state and (rule == layout.RULE_ADAM or b1 != 0) else absent)
+        m2.append(v if state and rule == layout.RULE_ADAM else absent)
+        m2max.append(vmax if state and rule == layout.RULE_ADAM and flags & layout.FLAG_AMSGRAD else absent)
+    params[-1][[3, 65536 + 1]] = math.inf
+    params[-1][11] = math.nan
+    grads[-1][[10, 65536 + 30]] = math.nan
+    grads[-1][20] = -math.inf
+    hyper = torch.tensor([[lr, wd, b1, b2, eps, step, flags]] * len(sizes), dtype=torch.float64)
+    return params, grads, m1, m2, m2max, hyper, rule
+
+
+def update_results(cap, dtype) -> dict[str, str]:
+    """The update statistics, and the weights the update clip leaves (coefficients below 1, at 1
+    and NaN), for every configuration."""
+    out = {}
+    for k, config in enumerate(UPDATE_CONFIGS):
+        params, grads, m1, m2, m2max, hyper, rule = update_inputs(config, dtype, 100 + k)
+        out[f"update_stats/{cap}/{dtype}/{config[0]}"] = digest(
+            *gradfuse.ops.multi_tensor_update_stats(params, grads, m1, m2, m2max, hyper, rule))
+        coefs = torch.tensor([1.0, 0.25, 0.3, 0.01, math.nan, 0.5], dtype=torch.float64)
+        gradfuse.ops.multi_tensor_update_clip_(params, grads, m1, m2, m2max, hyper, coefs, rule)
+        out[f"update_clip/{cap}/{dtype}/{config[0]}"] = digest(*params)
+    return out
+
+
 def results() -> dict[str, str]:
     out = {}
     capabilities = ["default", "avx2"] if gradfuse.build_info().get("best_cpu_capability") == "avx2" else [None]
@@ -92,6 +155,7 @@ def results() -> dict[str, str]:
             out[f"moments/{cap}/{dtype}"] = digest(*gradfuse.ops.multi_tensor_moments([t for t in ts if t.numel()]))
             out[f"unit_stats/{cap}/{dtype}"] = digest(*gradfuse.ops.multi_tensor_unit_stats(
                 [t[:(t.numel() // 5) * 5] for t in ts], [5 if t.numel() >= 5 else 0 for t in ts]))
+            out.update(update_results(cap, dtype))
         if cap is not None and library.extension is not None:
             library.extension.set_cpu_capability(capabilities[-1])
     for dtype in (torch.float32, torch.bfloat16):

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "acc_row.h"
+
 namespace gradfuse {
 
 // Which extra power sum a pass needs for the requested norm_type.
@@ -61,13 +63,6 @@ enum FloatStat : int { GRADFUSE_FLOAT_STATS(GRADFUSE_STATS_ENUM) kNumFloatStats 
 enum CountStat : int { GRADFUSE_COUNT_STATS(GRADFUSE_STATS_ENUM) kNumel, kNumCountStats };
 #undef GRADFUSE_STATS_ENUM
 
-// max that propagates NaN from either side, like torch.max and vector_norm(ord=inf);
-// fmaxf would silently drop it.
-template <typename T>
-C10_HOST_DEVICE inline T nan_max(T a, T b) {
-  return (a > b || a != a) ? a : b;
-}
-
 // a * b rounded to acc_t, never contracted with a following add into an FMA (see finish_moments).
 template <typename T>
 C10_HOST_DEVICE inline T mul_rn(T a, T b) {
@@ -83,65 +78,11 @@ C10_HOST_DEVICE inline T mul_rn(T a, T b) {
 #endif
 }
 
-// How two partial rows combine, per column (the third entry of the tables above).
-template <typename T>
-C10_HOST_DEVICE inline T combine_Add(T a, T b) {
-  return a + b;
-}
-template <typename T>
-C10_HOST_DEVICE inline T combine_NanMax(T a, T b) {
-  return nan_max(a, b);
-}
-
-// A reduced row (chunk, unit or tensor): one member per column of the tables above.
+// A reduced row (chunk, unit or tensor): one member per column of the tables above, and combine,
+// store, load and for_each (acc_row.h).
 template <typename acc_t>
 struct StatsAcc {
-#define GRADFUSE_FLOAT_MEMBER(column, member, combine) acc_t member = 0;
-#define GRADFUSE_COUNT_MEMBER(column, member, combine) int64_t member = 0;
-  GRADFUSE_FLOAT_STATS(GRADFUSE_FLOAT_MEMBER)
-  GRADFUSE_COUNT_STATS(GRADFUSE_COUNT_MEMBER)
-#undef GRADFUSE_FLOAT_MEMBER
-#undef GRADFUSE_COUNT_MEMBER
-
-  template <typename other_t>
-  C10_HOST_DEVICE inline void combine(const StatsAcc<other_t>& o) {
-#define GRADFUSE_COMBINE_FLOAT(column, member, combine) member = combine_##combine(member, acc_t(o.member));
-#define GRADFUSE_COMBINE_COUNT(column, member, combine) member = combine_##combine(member, o.member);
-    GRADFUSE_FLOAT_STATS(GRADFUSE_COMBINE_FLOAT)
-    GRADFUSE_COUNT_STATS(GRADFUSE_COMBINE_COUNT)
-#undef GRADFUSE_COMBINE_FLOAT
-#undef GRADFUSE_COMBINE_COUNT
-  }
-
-  // One row of the partial / result tensors (numel is the caller's).
-  C10_HOST_DEVICE inline void store(acc_t* floats, int64_t* counts) const {
-#define GRADFUSE_STORE_FLOAT(column, member, combine) floats[column] = member;
-#define GRADFUSE_STORE_COUNT(column, member, combine) counts[column] = member;
-    GRADFUSE_FLOAT_STATS(GRADFUSE_STORE_FLOAT)
-    GRADFUSE_COUNT_STATS(GRADFUSE_STORE_COUNT)
-#undef GRADFUSE_STORE_FLOAT
-#undef GRADFUSE_STORE_COUNT
-  }
-
-  C10_HOST_DEVICE static inline StatsAcc load(const acc_t* floats, const int64_t* counts) {
-    StatsAcc s;
-#define GRADFUSE_LOAD_FLOAT(column, member, combine) s.member = floats[column];
-#define GRADFUSE_LOAD_COUNT(column, member, combine) s.member = counts[column];
-    GRADFUSE_FLOAT_STATS(GRADFUSE_LOAD_FLOAT)
-    GRADFUSE_COUNT_STATS(GRADFUSE_LOAD_COUNT)
-#undef GRADFUSE_LOAD_FLOAT
-#undef GRADFUSE_LOAD_COUNT
-    return s;
-  }
-
-  // f(member) for every member, in column order (the CUDA warp shuffle).
-  template <typename F>
-  C10_HOST_DEVICE inline void for_each(F&& f) {
-#define GRADFUSE_VISIT(column, member, combine) f(member);
-    GRADFUSE_FLOAT_STATS(GRADFUSE_VISIT)
-    GRADFUSE_COUNT_STATS(GRADFUSE_VISIT)
-#undef GRADFUSE_VISIT
-  }
+  GRADFUSE_ACC_ROW(StatsAcc, GRADFUSE_FLOAT_STATS, GRADFUSE_COUNT_STATS)
 
   // Pass 2's result: a NaN anywhere makes max |x| NaN, as torch's max and vector_norm(inf) do.
   C10_HOST_DEVICE inline void set_nonfinite_counts(int64_t nan_count, int64_t inf_count) {

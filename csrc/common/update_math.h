@@ -62,54 +62,11 @@ enum UpdateFloatStat : int { GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_UPDATE_ENUM) k
 enum UpdateCountStat : int { GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_UPDATE_ENUM) kUpdateNumel, kNumUpdateCountStats };
 #undef GRADFUSE_UPDATE_ENUM
 
-// A reduced row of the update statistics (chunk, tensor), as StatsAcc is for the gradient's.
+// A reduced row of the update statistics (chunk, tensor), as StatsAcc is for the gradient's: one
+// member per column of the tables above, and combine, store, load and for_each (acc_row.h).
 template <typename acc_t>
 struct UpdateAcc {
-#define GRADFUSE_FLOAT_MEMBER(column, member, combine) acc_t member = 0;
-#define GRADFUSE_COUNT_MEMBER(column, member, combine) int64_t member = 0;
-  GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_FLOAT_MEMBER)
-  GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_COUNT_MEMBER)
-#undef GRADFUSE_FLOAT_MEMBER
-#undef GRADFUSE_COUNT_MEMBER
-
-  template <typename other_t>
-  C10_HOST_DEVICE inline void combine(const UpdateAcc<other_t>& o) {
-#define GRADFUSE_COMBINE_FLOAT(column, member, combine) member = combine_##combine(member, acc_t(o.member));
-#define GRADFUSE_COMBINE_COUNT(column, member, combine) member = combine_##combine(member, o.member);
-    GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_COMBINE_FLOAT)
-    GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_COMBINE_COUNT)
-#undef GRADFUSE_COMBINE_FLOAT
-#undef GRADFUSE_COMBINE_COUNT
-  }
-
-  C10_HOST_DEVICE inline void store(acc_t* floats, int64_t* counts) const {
-#define GRADFUSE_STORE_FLOAT(column, member, combine) floats[column] = member;
-#define GRADFUSE_STORE_COUNT(column, member, combine) counts[column] = member;
-    GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_STORE_FLOAT)
-    GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_STORE_COUNT)
-#undef GRADFUSE_STORE_FLOAT
-#undef GRADFUSE_STORE_COUNT
-  }
-
-  C10_HOST_DEVICE static inline UpdateAcc load(const acc_t* floats, const int64_t* counts) {
-    UpdateAcc s;
-#define GRADFUSE_LOAD_FLOAT(column, member, combine) s.member = floats[column];
-#define GRADFUSE_LOAD_COUNT(column, member, combine) s.member = counts[column];
-    GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_LOAD_FLOAT)
-    GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_LOAD_COUNT)
-#undef GRADFUSE_LOAD_FLOAT
-#undef GRADFUSE_LOAD_COUNT
-    return s;
-  }
-
-  // f(member) for every member, in column order (the CUDA warp shuffle).
-  template <typename F>
-  C10_HOST_DEVICE inline void for_each(F&& f) {
-#define GRADFUSE_VISIT(column, member, combine) f(member);
-    GRADFUSE_UPDATE_FLOAT_STATS(GRADFUSE_VISIT)
-    GRADFUSE_UPDATE_COUNT_STATS(GRADFUSE_VISIT)
-#undef GRADFUSE_VISIT
-  }
+  GRADFUSE_ACC_ROW(UpdateAcc, GRADFUSE_UPDATE_FLOAT_STATS, GRADFUSE_UPDATE_COUNT_STATS)
 };
 
 // One tensor's constants, from its row of the hyper table. Scalars torch computes in Python

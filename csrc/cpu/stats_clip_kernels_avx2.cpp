@@ -1,24 +1,6 @@
 // The CPU kernels for AVX2 + FMA CPUs, chosen at run time by stats_cpu.cpp.
-// setuptools has no per-file flags, so the instruction set is chosen here, before any header, the
-// way -mavx2 -mfma -mf16c would: the pragma for code generation, the macros for the headers that
-// test them (sleef, at::vec). CPU_CAPABILITY puts at::vec's AVX2 types in their own namespace,
-// so they do not clash with the default build of the same templates.
-#if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx,avx2,fma,f16c")
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
+#include "avx2_capability.h"
+#ifdef CPU_CAPABILITY_AVX2
 #include "stats_kernels_impl.h"
 #include "clip_kernels_impl.h"  // the clipping kernels, same instruction set
 #endif
