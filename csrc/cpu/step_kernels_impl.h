@@ -74,11 +74,28 @@ inline void store2(scalar_t* x, const V2<step_acc_of<scalar_t>>& v) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// A float rounded to bfloat16 and widened back, in the float's register: at::vec's conversion
+// (round to nearest even; a NaN becomes 0xffff) without packing to 16 bits and unpacking again.
+inline Vectorized<float> round_bf16(const Vectorized<float>& x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_blendv_ps(nan, _mm256_castsi256_ps(r), _mm256_cmp_ps(x, x, _CMP_ORD_Q));
+}
+#endif
+
 // round_to, lane-wise: through scalar_t and back (exact for float and double).
 template <typename scalar_t>
 inline V2<step_acc_of<scalar_t>> round2(const V2<step_acc_of<scalar_t>>& v) {
   if constexpr (std::is_same_v<scalar_t, step_acc_of<scalar_t>>) {
     return v;
+#if defined(CPU_CAPABILITY_AVX2)
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return {round_bf16(v.lo), round_bf16(v.hi)};
+#endif
   } else {
     V2<float> r;
     auto [lo, hi] = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(v.lo, v.hi));
