@@ -11,9 +11,8 @@
 //   };
 //
 // A macro, not a base class template: the members must be declared by name in the row itself, and
-// each operation stays one plain statement per column, as the compilers have always been given it
-// (a generic visitor over the columns, with lambdas, computes the same values but changes the CUDA
-// register allocation of most kernels).
+// each operation stays one plain statement per column (a generic visitor over the columns, with
+// lambdas, computes the same values, but nvcc compiles most kernels to other machine code from it).
 #pragma once
 
 #include <c10/macros/Macros.h>
