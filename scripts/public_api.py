@@ -2,7 +2,7 @@
 """The public API as data, and whether a new version keeps it compatible.
 
 A snapshot lists, for ``gradfuse.__all__`` and the public module paths (``gradfuse.sinks``,
-``gradfuse.histogram``, ``gradfuse.headroom``, ``gradfuse.integrations.*``), every function's
+``gradfuse.histogram``, ``gradfuse.headroom``, ``gradfuse.optim``, ``gradfuse.integrations.*``), every function's
 parameters (name, kind, default) and every class's public methods and properties. Compatible
 means: no name, method or property removed; every old parameter still there with the same kind,
 position (for positional ones) and default; every new parameter optional.
@@ -25,7 +25,7 @@ SNAPSHOT = ROOT / "tests" / "public_api.json"
 if str(ROOT) not in sys.path:  # the checkout's gradfuse, also when run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 MODULES = {"gradfuse": None, "gradfuse.sinks": None, "gradfuse.histogram": None,
-           "gradfuse.headroom": None,
+           "gradfuse.headroom": None, "gradfuse.optim": None,
            "gradfuse.integrations.pytorch": ["Attachment", "attach", "StepGate"],
            "gradfuse.integrations.lightning": ["GradfuseCallback"],
            "gradfuse.integrations.transformers": ["GradfuseCallback", "attach"]}
