@@ -5,8 +5,7 @@ import dist_workers
 import fsdp2_clip_workers
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_checks import assert_ranks_ok
+from gloo_checks import assert_ranks_ok, spawn_checks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -20,21 +19,8 @@ def results(request, tmp_path_factory):
     if not dist_workers.FSDP2_ON_CPU:  # every check here runs FSDP2 on CPU
         pytest.skip(dist_workers.FSDP2_SKIP_REASON)
     world = request.param
-    for attempt in range(2):
-        d = tmp_path_factory.mktemp(f"fsdp2clip{world}")
-        try:
-            mp.spawn(fsdp2_clip_workers.worker, args=(world, str(d / "init"), RUNS[world], str(d)),
-                     nprocs=world, join=True)
-            return world, d
-        except mp.ProcessExitedException:
-            # A rank killed by a signal after every rank wrote every check's result died in the
-            # teardown of its gloo group (seen as SIGABRT, "terminate called without an active
-            # exception"): the results stand and are read as usual. One that died earlier is run
-            # once more, then the error stands.
-            if all((d / f"{name}.{rank}").exists() for name in RUNS[world] for rank in range(world)):
-                return world, d
-            if attempt:
-                raise
+    d = spawn_checks(fsdp2_clip_workers.worker, world, RUNS[world], tmp_path_factory.mktemp(f"fsdp2clip{world}"))
+    return world, d
 
 
 def _check(results, name):

@@ -4,8 +4,7 @@ import dist_workers
 import optim_sharded_workers
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_checks import assert_ranks_ok
+from gloo_checks import assert_ranks_ok, spawn_checks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -16,17 +15,7 @@ CHECKS = ["step"]
 def results(tmp_path_factory):
     if not dist_workers.FSDP2_ON_CPU:
         pytest.skip(dist_workers.FSDP2_SKIP_REASON)
-    for attempt in range(2):
-        d = tmp_path_factory.mktemp("optim_sharded")
-        try:
-            mp.spawn(optim_sharded_workers.worker, args=(2, str(d / "init"), CHECKS, str(d)), nprocs=2, join=True)
-            return d
-        except mp.ProcessExitedException:
-            # a rank that died in its gloo group's teardown after writing every result: they stand
-            if all((d / f"{name}.{rank}").exists() for name in CHECKS for rank in range(2)):
-                return d
-            if attempt:
-                raise
+    return spawn_checks(optim_sharded_workers.worker, 2, CHECKS, tmp_path_factory.mktemp("optim_sharded"))
 
 
 @pytest.mark.parametrize("name", CHECKS)
