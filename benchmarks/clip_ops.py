@@ -14,9 +14,13 @@ The pairs:
                     place (x.mul_(c)), the floor of an in-place scale of float16 / bfloat16.
 
 GB/s counts the bytes each method must move: read + write for the scales, the clamp and the copy;
-read for the statistics. Run on GPT-2-small-shaped gradients (gradfuse/workloads.py), fp32 and bf16:
+read for the statistics. "% of floor" is, for the in-place scales, the speed of
+float32_mul_same_bytes over theirs. Run on GPT-2-small-shaped gradients (gradfuse/workloads.py) or
+another workload, fp32 and bf16 (``--methods``: only those, as a comma-separated list):
 
-    .venv/bin/python benchmarks/clip_ops.py [--device cpu|cuda] [--rounds 9] [--smoke]
+    .venv/bin/python benchmarks/clip_ops.py [--device cpu|cuda] [--rounds 9] [--workload few_large] [--smoke]
+    .venv/bin/python benchmarks/clip_ops.py --workload few_large --dtypes bfloat16,float16,float32 \
+        --methods scalar_scale,float32_mul_same_bytes --rounds 15
 """
 from __future__ import annotations
 
@@ -74,7 +78,11 @@ def methods(grads, params, device):
     }
 
 
-def run(shapes, dtype, device, rounds):
+WORKLOAD_TITLES = {"gpt2_small": "GPT-2 small", "few_large": "4 x 2**24 elements"}
+SCALES = ("per_tensor_scale", "scalar_scale", "foreach_mul_tensors", "float32_mul_same_bytes")
+
+
+def run(shapes, dtype, device, rounds, only=None):
     grads = make(shapes, dtype, device)
     params = []
     for g in grads:
@@ -83,6 +91,8 @@ def run(shapes, dtype, device, rounds):
         params.append(p)
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     table = methods(grads, params, device)
+    if only:
+        table = {k: v for k, v in table.items() if k in only}
     times = {k: [] for k in table}
     for fn, _ in table.values():  # warm-up
         fn()
@@ -102,14 +112,18 @@ def report(results, nbytes, count, title):
             "foreach_mul_tensors": "foreach_mul_tensors", "clamp_with_stats": "clip_grad_value_foreach",
             "clip_grad_value_foreach": "clip_grad_value_foreach", "unit_stats_rows": "row_norms_loop",
             "row_norms_loop": "row_norms_loop"}
-    copy_gbs = results["copy"][1] / results["copy"][0] / 1e9
+    copy_gbs = results["copy"][1] / results["copy"][0] / 1e9 if "copy" in results else None
+    floor = results.get("float32_mul_same_bytes")
     lines = [f"**{title}** ({count} tensors, {nbytes / 1e6:.0f} MB)", "",
-             "| method | median ms | vs baseline | GB/s | % of copy GB/s |", "|---|---:|---:|---:|---:|"]
+             "| method | median ms | vs baseline | GB/s | % of copy GB/s | % of floor |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, (t, moved) in results.items():
         b = base.get(name)
-        ratio = f"{t / results[b][0]:.2f}x {b}" if b else "-"
+        ratio = f"{t / results[b][0]:.2f}x {b}" if b in results else "-"
         gbs = moved / t / 1e9
-        lines.append(f"| {name} | {t * 1e3:.3f} | {ratio} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |")
+        of_copy = f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "-"
+        of_floor = f"{100 * floor[0] / t:.0f}%" if floor and name in SCALES else "-"
+        lines.append(f"| {name} | {t * 1e3:.3f} | {ratio} | {gbs:.1f} | {of_copy} | {of_floor} |")
     return "\n".join(lines)
 
 
@@ -119,18 +133,29 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    ap.add_argument("--workload", default="gpt2_small", choices=["gpt2_small", "few_large"],
+                    help="gpt2_small: GPT-2 small's gradients; few_large: 4 tensors of 2**24 elements")
+    ap.add_argument("--methods", default="", help="only these methods (comma-separated; default all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round (untimed check)")
     args = ap.parse_args(argv)
+    only = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(only) - set(methods([], [], torch.device("cpu"))))
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    shapes = workloads.gpt2_small(layers=1, d=64, vocab=500, ctx=32) if args.smoke else workloads.gpt2_small()
+    if args.workload == "few_large":
+        shapes = workloads.few_large(4, 2**10 if args.smoke else 2**24)
+    else:
+        shapes = workloads.gpt2_small(layers=1, d=64, vocab=500, ctx=32) if args.smoke else workloads.gpt2_small()
     rounds = 1 if args.smoke else args.rounds
-    print(f"# torch {torch.__version__}, {device}, threads {torch.get_num_threads()}, rounds {rounds}")
+    print(f"# torch {torch.__version__}, {device}, threads {torch.get_num_threads()}, rounds {rounds}, "
+          f"workload {args.workload}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        results, nbytes, count = run(shapes, dtype, device, rounds)
-        print(report(results, nbytes, count, f"GPT-2 small, {name}, {device}"))
+        results, nbytes, count = run(shapes, dtype, device, rounds, only)
+        print(report(results, nbytes, count, f"{WORKLOAD_TITLES[args.workload]}, {name}, {device}"))
         print()
 
 

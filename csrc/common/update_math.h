@@ -179,6 +179,13 @@ C10_HOST_DEVICE inline UpdateElement<acc_t> update_element(const UpdateParams<ac
 // compiler: a contracted v * beta2 + (1 - beta2) * g * g, lerp, g + wd * w or the momentum
 // buffer differs by at most an ulp of its result, far inside the statistics' tolerance.
 
+// What amsgrad's running max is where the state holds no moment2_max: that of a first amsgrad
+// step, torch.maximum(zeros, v) (0 where v < 0; a NaN kept). The clip's v_after then.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t first_amsgrad_max(acc_t v) {
+  return nan_max(acc_t(0), v);
+}
+
 // After the step: the part a of the update just applied that does not depend on the weight,
 // formed again from the state the step left (m, v or v_max, the momentum buffer) and the gradient.
 template <typename acc_t>
@@ -239,7 +246,9 @@ struct UpdateElementAcc {
   C10_HOST_DEVICE inline void add_nonfinite(acc_t w, const UpdateElement<acc_t>& e) {
     update_nonfinite += nonfinite_count(e.update);
     weight_nonfinite += nonfinite_count(w);
-    moment_nonfinite += nonfinite_count(e.moment1 + e.moment2);  // NaN or Inf in either (v' >= 0)
+    // each on its own: m' + v' overflows for finite moments near the largest value
+    const acc_t inf = acc_t(INFINITY);
+    moment_nonfinite += ::fabs(e.moment1) < inf && ::fabs(e.moment2) < inf ? ElemCount(0) : ElemCount(1);
   }
 
   C10_HOST_DEVICE inline bool sums_finite() const {

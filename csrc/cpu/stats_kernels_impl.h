@@ -629,18 +629,31 @@ inline __m256i scale_bf16x16(__m256i v, __m256 cv) {
   return _mm256_or_si256(_mm256_sub_epi16(hi, round_up), nan);
 }
 
+// How far ahead of the in-place bfloat16 scale its loop prefetches. The step's arithmetic (about
+// 4.5 cycles per 32 bytes) otherwise runs mostly in series with the misses of its loads: against
+// torch scaling float32 of the same bytes in place on one thread, about 70% without, 95% with
+// 2-8 KB ahead. (float16's F16C step is shorter: 85% without.)
+constexpr int64_t kScalePrefetchBytes = 4096;
+
 // Returns the elements done (a multiple of 16; the rest is the caller's scalar tail).
 template <typename scalar_t>
 int64_t scale_16bit(scalar_t* x, int64_t n, float c) {
   const __m256 cv = _mm256_set1_ps(c);
   int64_t i = 0;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    for (; i + 32 <= n; i += 32) {  // two independent steps per iteration
-      auto* p = reinterpret_cast<__m256i*>(x + i);
+    constexpr int64_t kAhead = kScalePrefetchBytes / sizeof(scalar_t);
+    const auto two_steps = [x, cv](int64_t k) {  // two independent steps
+      auto* p = reinterpret_cast<__m256i*>(x + k);
       const __m256i a = _mm256_loadu_si256(p), b = _mm256_loadu_si256(p + 1);
       _mm256_storeu_si256(p, scale_bf16x16(a, cv));
       _mm256_storeu_si256(p + 1, scale_bf16x16(b, cv));
+    };
+    // One prefetch per 32 elements (a 64-byte line), only of the span's own elements.
+    for (; i + 32 + kAhead <= n; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(x + i + kAhead), _MM_HINT_T0);
+      two_steps(i);
     }
+    for (; i + 32 <= n; i += 32) two_steps(i);
     for (; i + 16 <= n; i += 16) {
       auto* p = reinterpret_cast<__m256i*>(x + i);
       _mm256_storeu_si256(p, scale_bf16x16(_mm256_loadu_si256(p), cv));

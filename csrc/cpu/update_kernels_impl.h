@@ -193,7 +193,7 @@ int64_t update_stats_vectors(const UpdateParams<update_acc_of<scalar_t>>& h, con
     if constexpr (kCounts) {
       update_finite = update_finite + e.update.abs().lt(inf);
       weight_finite = weight_finite + wv.abs().lt(inf);
-      moment_finite = moment_finite + (e.moment1 + e.moment2).abs().lt(inf);
+      moment_finite = moment_finite + (e.moment1.abs().lt(inf) & e.moment2.abs().lt(inf));  // each on its own
     }
     if constexpr (rule == UpdateRule::kAdam) eps_dominated = eps_dominated + e.root.lt(eps);
   };
@@ -255,10 +255,11 @@ UpdateAcc<update_acc_of<scalar_t>> update_stats_chunk(const UpdateParams<update_
 }
 
 // One chunk of the clip op: w = clipped_weight(h, w, applied_update_part(h, g, m, v), c) in place.
-// m, v: the state the step left (v: moment2_max with amsgrad), null where absent.
+// m, v: the state the step left (v: moment2_max with amsgrad), null where absent. first_max:
+// amsgrad without moment2_max, v is moment2 and the loop takes first_amsgrad_max(v).
 template <typename scalar_t, UpdateRule rule>
 void update_clip_chunk(const UpdateParams<update_acc_of<scalar_t>>& h, update_acc_of<scalar_t> c, scalar_t* w,
-                       const scalar_t* g, const scalar_t* m, const scalar_t* v, int64_t n) {
+                       const scalar_t* g, const scalar_t* m, const scalar_t* v, int64_t n, bool first_max) {
   using acc_t = update_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kUpdateStep<scalar_t>;
@@ -266,8 +267,10 @@ void update_clip_chunk(const UpdateParams<update_acc_of<scalar_t>>& h, update_ac
   const VA cv(c);
   const bool buffer_update = h.beta1 != acc_t(0) && !h.nesterov;  // SGD: the buffer is the update
   const bool reads_grad = rule == UpdateRule::kSGD && !buffer_update;
-  const auto part = [&](const VA& gv, const VA& mv, const VA& vv) -> VA {  // applied_update_part
+  const VA zeros(acc_t(0));
+  const auto part = [&](const VA& gv, const VA& mv, VA vv) -> VA {  // applied_update_part
     if constexpr (rule == UpdateRule::kAdam) {
+      if (first_max) vv = VA::blendv(vv, zeros, vv < zeros);  // first_amsgrad_max: a NaN stays
       const VA root = vec_mul_rn(vv.sqrt(), p.inv_bias_correction2_sqrt);  // adam_root
       return vec_mul_rn(p.neg_step_size, mv / (root + p.eps));
     } else {
@@ -291,7 +294,8 @@ void update_clip_chunk(const UpdateParams<update_acc_of<scalar_t>>& h, update_ac
   }
   for (; i < n; ++i) {
     const acc_t mi = m ? static_cast<acc_t>(m[i]) : acc_t(0);
-    const acc_t vi = v ? static_cast<acc_t>(v[i]) : acc_t(0);
+    acc_t vi = v ? static_cast<acc_t>(v[i]) : acc_t(0);
+    if (first_max) vi = first_amsgrad_max(vi);
     const acc_t a = applied_update_part(h, static_cast<acc_t>(g[i]), mi, vi);
     w[i] = static_cast<scalar_t>(clipped_weight(h, static_cast<acc_t>(w[i]), a, c));
   }
@@ -341,12 +345,13 @@ void update_clip_chunks_typed(const UpdateArgs& args, const double* coefs, int64
     }
     const int64_t offset = (c - fc[t]) * kChunkElems;
     const int64_t n = std::min(kChunkElems, args.params[t].numel - offset);
-    const Span& v_after = h.amsgrad ? args.moment2_max[t] : args.moment2[t];
+    const bool first_max = h.amsgrad && args.moment2_max[t].numel == 0;  // first_amsgrad_max(moment2)
+    const Span& v_after = h.amsgrad && !first_max ? args.moment2_max[t] : args.moment2[t];
     update_clip_chunk<scalar_t, rule>(h, static_cast<acc_t>(coefs[t]),
                                       static_cast<scalar_t*>(args.params[t].data) + offset,
                                       span_data<scalar_t>(args.grads[t], offset),
                                       span_data<scalar_t>(args.moment1[t], offset),
-                                      span_data<scalar_t>(v_after, offset), n);
+                                      span_data<scalar_t>(v_after, offset), n, first_max);
   }
 }
 

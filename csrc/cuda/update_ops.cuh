@@ -73,12 +73,14 @@ struct UpdateStatsOp {
     const unsigned present = present_lists(x);
     if constexpr (kRule == UpdateRule::kAdam) {
       const unsigned used = present & (h.amsgrad ? kAllLists : kWGMV);
-      // With moment2_max absent (zeros) amsgrad's max(v_max, v') is v' (v' >= 0, or NaN, which
-      // the max keeps): the loop without it is exact, and knows it at compile time.
+      // On the first step (no state: v = 0) amsgrad's max(0, v') is v' (v' = (1 - beta2) g^2 >= 0,
+      // or NaN, which the max keeps): the loop without the max is exact there, and knows it at
+      // compile time. With moment2 but no moment2_max, v' < 0 is possible (a negative moment2)
+      // and the max with zeros is not v': the loop for any combination, which takes it.
       UpdateParams<acc_t> ams = h, plain = h;
       ams.amsgrad = true;
       plain.amsgrad = false;
-      if (used == kWGMV) {
+      if (used == kWGMV && !h.amsgrad) {
         stream<kWGMV, 0>(plain, x, n, e);
       } else if (used == kAllLists) {
         stream<kAllLists, 0>(ams, x, n, e);
@@ -135,7 +137,8 @@ struct UpdateClipOp {
   const double* coefs;  // [n]
 
   // The lists of the clip's loop: the weights (read and written), the gradient, the first moment
-  // and the second moment the step left (moment2_max with amsgrad).
+  // and the second moment the step left (moment2_max with amsgrad; without it, moment2, whose
+  // max with zeros is that of a first amsgrad step: first_amsgrad_max).
   enum : int { kW, kG, kM, kV, kClipLists };
 
   template <typename Table>
@@ -146,37 +149,42 @@ struct UpdateClipOp {
     if (!clips_update(coef)) return;  // decided on the device: no traffic
     const auto h = UpdateParams<acc_t>::from_row(hyper + row * kNumHyper, kRule);
     const acc_t c = static_cast<acc_t>(coef);
+    scalar_t* const v_max = h.amsgrad ? item_data<scalar_t>(table, kMoment2MaxList, it) : nullptr;
+    const bool first_max = h.amsgrad && v_max == nullptr;  // v_after = first_amsgrad_max(moment2)
     scalar_t* const x[kClipLists] = {item_data<scalar_t>(table, kParamsList, it),
                                      item_data<scalar_t>(table, kGradsList, it),
                                      item_data<scalar_t>(table, kMoment1List, it),
-                                     h.amsgrad ? item_data<scalar_t>(table, kMoment2MaxList, it)
-                                               : item_data<scalar_t>(table, kMoment2List, it)};
+                                     first_max || !h.amsgrad ? item_data<scalar_t>(table, kMoment2List, it) : v_max};
     const int n = static_cast<int>(it.n);
     const unsigned present = present_lists(x);
     constexpr unsigned w = list_bit(kW), g = list_bit(kG), m = list_bit(kM), v = list_bit(kV);
     // applied_update_part reads the gradient only for SGD without the buffer holding the update.
     if constexpr (kRule == UpdateRule::kAdam) {
-      if ((present & (m | v)) == (m | v)) {
-        stream<w | m | v, 0>(h, c, x, n);
-      } else {
-        stream<w, m | v>(h, c, x, n);
+      if ((present & (m | v)) == (m | v) && !first_max) {
+        stream<w | m | v, 0, false>(h, c, x, n, false);
+      } else {  // state absent, or amsgrad without moment2_max: rare, the loop that checks each
+        stream<w, m | v, true>(h, c, x, n, first_max);
       }
     } else {
       if ((present & m) && h.beta1 != acc_t(0) && !h.nesterov) {
-        stream<w | m, 0>(h, c, x, n);
+        stream<w | m, 0, false>(h, c, x, n, false);
       } else if (present & m) {
-        stream<w | g | m, 0>(h, c, x, n);
+        stream<w | g | m, 0, false>(h, c, x, n, false);
       } else {
-        stream<w | g, 0>(h, c, x, n);
+        stream<w | g, 0, false>(h, c, x, n, false);
       }
     }
   }
 
-  template <unsigned kLoaded, unsigned kMaybe>
-  __device__ void stream(const UpdateParams<acc_t>& h, acc_t c, scalar_t* const (&x)[kClipLists], int n) const {
+  // kMayTakeFirstMax: the loop takes first_amsgrad_max of the second moment where first_max.
+  template <unsigned kLoaded, unsigned kMaybe, bool kMayTakeFirstMax>
+  __device__ void stream(const UpdateParams<acc_t>& h, acc_t c, scalar_t* const (&x)[kClipLists], int n,
+                         bool first_max) const {
     for_each_element_of_lists<kThreads, kClipLists, true, kLoaded, kMaybe, scalar_t>(
         x, n, static_cast<int>(threadIdx.x), [&](P (&p)[kClipLists], int k) {
-          const acc_t a = applied_update_part(h, element(p[kG], k), element(p[kM], k), element(p[kV], k));
+          acc_t v_after = element(p[kV], k);
+          if constexpr (kMayTakeFirstMax) v_after = first_max ? first_amsgrad_max(v_after) : v_after;
+          const acc_t a = applied_update_part(h, element(p[kG], k), element(p[kM], k), v_after);
           p[kW].v[k] = static_cast<scalar_t>(clipped_weight(h, element(p[kW], k), a, c));
         });
   }

@@ -147,7 +147,8 @@ def multi_tensor_update_stats(params: list[torch.Tensor], grads: list[torch.Tens
 
     ``moment1`` / ``moment2`` / ``moment2_max``: one entry per parameter, the optimizer's state
     (Adam's ``exp_avg`` / ``exp_avg_sq`` / ``max_exp_avg_sq``, SGD's ``momentum_buffer`` in
-    ``moment1``) or an empty tensor where it is absent. ``hyper``: float64 ``[n, NUM_HYPER]`` on
+    ``moment1``) or an empty tensor where it is absent (an absent ``moment2_max`` reads as zeros, as
+    torch's ``max_exp_avg_sq`` starts). ``hyper``: float64 ``[n, NUM_HYPER]`` on
     the parameters' device (columns ``HYPER_COLUMNS``); ``rule``: ``RULE_SGD`` or ``RULE_ADAM``.
 
     Returns ``(floats, counts)``: float64 ``[n, NUM_UPDATE_FLOAT_STATS]`` and int64
@@ -164,7 +165,9 @@ def multi_tensor_update_clip_(params: list[torch.Tensor], grads: list[torch.Tens
     """After ``optimizer.step()``: rescales the update just applied to ``params[i]`` by
     ``coefs[i]`` (float64 ``[n]`` on the device) where it is below 1, ``w = w_before + c * u``,
     from the state the step left and without a copy of the weights; a coefficient >= 1 or NaN
-    leaves the tensor untouched (decided on the device). Arguments as ``multi_tensor_update_stats``."""
+    leaves the tensor untouched (decided on the device). Arguments as ``multi_tensor_update_stats``;
+    with amsgrad and ``moment2_max`` absent, the step's max is that of a first amsgrad step,
+    ``max(0, moment2)``."""
     if not params or not op_compiled("multi_tensor_update_clip_", params[0].device):
         return update_reference.multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hyper, coefs,
                                                           rule)

@@ -129,6 +129,11 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch
     return torch.where(weight < 0.5, start + weight * (end - start), end - (end - start) * (1.0 - weight))
 
 
+def _nan_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # torch.maximum: a NaN on either side propagates
+    return torch.where((a > b) | a.isnan(), a, b)
+
+
 def _update_element(h: _UpdateParams, w, g, m, v, v_max, has_buffer: bool):
     """``update_element``: (update, moment1, root, moment2) of every element, before the step."""
     g = torch.where(h.maximize, -g, g)
@@ -137,8 +142,8 @@ def _update_element(h: _UpdateParams, w, g, m, v, v_max, has_buffer: bool):
         g = torch.where((h.weight_decay != 0) & ~h.decoupled, g + h.weight_decay * w, g)
         moment1 = _lerp(m, g, h.one_minus_beta1)
         v_new = v * h.beta2 + h.one_minus_beta2 * g * g
-        # torch.maximum: a NaN on either side propagates
-        v_new = torch.where(h.amsgrad, torch.where((v_max > v_new) | v_max.isnan(), v_max, v_new), v_new)
+        # an absent moment2_max reads as zeros, as torch's max_exp_avg_sq starts
+        v_new = torch.where(h.amsgrad, _nan_max(v_max, v_new), v_new)
         root = torch.sqrt(v_new) / h.bias_correction2_sqrt
         adam = -h.step_size * (moment1 / (root + h.eps))
         update = torch.where(h.decoupled, (w * h.decay_factor - w) + adam, adam)
@@ -202,7 +207,7 @@ def multi_tensor_update_stats(params, grads, moment1, moment2, moment2_max, hype
                                      UPDATE_FLOAT_NAMES, 0))
         rows_c.append(stack_columns({"update_nonfinite": (~u.isfinite()).sum(),
                                       "weight_nonfinite": (~w.isfinite()).sum(),
-                                      "moment_nonfinite": (~(m1 + m2).isfinite()).sum(),
+                                      "moment_nonfinite": (~(m1.isfinite() & m2.isfinite())).sum(),
                                       "eps_dominated": eps_dominated,
                                       "numel": torch.tensor(w.numel(), device=device)}, UPDATE_COUNT_NAMES, 0))
     return torch.stack(rows_f), torch.stack(rows_c).to(torch.int64)
@@ -214,7 +219,8 @@ def multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hype
     just applied to ``params[i]`` by ``coefs[i]`` where it is below 1 (a coefficient >= 1 or NaN
     leaves the tensor as the step left it): ``w = w_before + c * u``, with ``w_before`` formed
     again from the weight, the gradient and the state the step left (``moment2_max`` with amsgrad,
-    else ``moment2``), without a copy of the weights."""
+    else ``moment2``; with amsgrad and ``moment2_max`` absent, the max of a first amsgrad step,
+    ``max(0, moment2)``), without a copy of the weights."""
     op = "multi_tensor_update_clip_"
     rule = check_rule(op, rule)
     check_update_inputs(op, params, grads, moment1, moment2, moment2_max, hyper, coefs)
@@ -225,8 +231,11 @@ def multi_tensor_update_clip_(params, grads, moment1, moment2, moment2_max, hype
         w = p.detach().reshape(-1).to(torch.float64)
         g = grads[i].detach().reshape(-1).to(torch.float64)
         v_after = _state(moment2[i], w)
-        if h.adam and moment2_max[i].numel():
-            v_after = torch.where(h.amsgrad, _state(moment2_max[i], w), v_after)
+        if h.adam:
+            # amsgrad: the running max the step left; absent, that of a first amsgrad step,
+            # torch.maximum(zeros, exp_avg_sq)
+            v_max = _state(moment2_max[i], w) if moment2_max[i].numel() else _nan_max(torch.zeros_like(w), v_after)
+            v_after = torch.where(h.amsgrad, v_max, v_after)
         c = coefs[i]
         a = _applied_update_part(h, g, _state(moment1[i], w), v_after)
         clipped = torch.where(c < 1, _clipped_weight(h, w, a, c), w)

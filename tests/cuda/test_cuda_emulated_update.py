@@ -143,7 +143,8 @@ def update_stats_mirror(params, grads, m1s, m2s, maxs, hyper, rule, acc):
                                          state_or_zeros(vm, w, acc), m.numel() > 0)
         f[i] = torch.stack([x.double().square().sum() for x in (u, wa, m1, root)])
         eps_dominated = int((root < h.eps).sum()) if rule == ADAM else 0
-        c[i] = torch.tensor([nonfinite(u), nonfinite(wa), nonfinite(m1 + m2), eps_dominated, w.numel()])
+        moments_nonfinite = int((~(torch.isfinite(m1) & torch.isfinite(m2))).sum())
+        c[i] = torch.tensor([nonfinite(u), nonfinite(wa), moments_nonfinite, eps_dominated, w.numel()])
     return f, c
 
 
@@ -156,7 +157,9 @@ def update_clip_mirror_(params, grads, m1s, m2s, maxs, hyper, coefs, rule, acc):
         h = Hyper(hyper[i].tolist(), rule, acc)
         c = torch.tensor(coef, dtype=torch.float64).to(acc)
         g, m_after = g.to(acc), state_or_zeros(m, w, acc)
-        v_after = state_or_zeros(vm if h.amsgrad else v, w, acc)
+        v_after = state_or_zeros(v, w, acc)
+        if h.amsgrad:  # without moment2_max, the max of a first amsgrad step: max(0, moment2)
+            v_after = state_or_zeros(vm, w, acc) if vm.numel() else torch.where(v_after < 0, 0.0, v_after)
         if rule == ADAM:
             a = -h.step_size * (m_after / (adam_root(h, v_after) + h.eps))
         elif h.beta1 != 0 and not h.nesterov:
@@ -334,7 +337,7 @@ def test_empty_call_and_empty_tensors(emu):
     assert torch.equal(c, torch.zeros(2, 5, dtype=torch.long))
 
 
-@pytest.mark.parametrize("present", ["m", "v", "mx", "vx", "x"])
+@pytest.mark.parametrize("present", ["m", "v", "mv", "mx", "vx", "x"])
 @pytest.mark.parametrize("config", ["adam", "adamw_amsgrad"])
 def test_unusual_state_combinations(emu, dtype, config, present):
     # Adam's state partly absent (zeros): the loop for any combination, which checks each pointer.
@@ -347,6 +350,69 @@ def test_unusual_state_combinations(emu, dtype, config, present):
     check_stats(emu, params, state, hyper, rule, dtype, f"{config}, state {present}")
     coefs = torch.tensor([0.5, 0.25, 0.75], dtype=torch.float64)
     check_clip(emu, params, state, hyper, coefs, rule, dtype, f"{config}, state {present}")
+
+
+def amsgrad_row(n):
+    # lr, weight_decay, beta1, beta2, eps, t, flags
+    return torch.tensor([[1e-3, 0.0, 0.9, 0.999, 1e-8, 3.0, AMSGRAD]] * n, dtype=torch.float64)
+
+
+def test_clip_amsgrad_without_moment2_max_reads_max_of_zero_and_moment2(emu, dtype):
+    # No moment2_max with amsgrad: a first amsgrad step's state, whose running max is
+    # torch.maximum(zeros, exp_avg_sq); the root of max(0, moment2), not of zeros.
+    n = CHUNK + 37
+    params = [torch.ones(n, dtype=dtype), torch.ones(n + 1, dtype=dtype)[1:]]  # aligned, misaligned
+    grads = [torch.full_like(p, 0.01) for p in params]
+    m1s = [torch.full_like(p, 0.01) for p in params]
+    m2s = [torch.full_like(p, 1e-4) for p in params]
+    for v in m2s:
+        v[[5, CHUNK + 30]] = -1e-4
+        v[6] = 0.0
+    empty = [torch.empty(0, dtype=dtype)] * 2
+    coefs = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    got = check_clip(emu, params, (grads, m1s, m2s, empty), amsgrad_row(2), coefs, ADAM, dtype, "amsgrad, mv")
+    explicit = [p.clone() for p in params]
+    emu.multi_tensor_update_clip_(explicit, grads, m1s, m2s, [v.clamp(min=0) for v in m2s], amsgrad_row(2), coefs,
+                                  ADAM)
+    for g, e, v in zip(got, explicit, m2s):
+        assert torch.equal(bits(g), bits(e))
+        # w_before = 1 + 2.02e-4 and half its update: 1.0001 (the root of zeros gives 1846)
+        assert (g[v > 0].double() - 1.0001).abs().max() < 1e-2 and g[v <= 0].double().min() > 1000
+
+
+def test_stats_amsgrad_without_moment2_max_takes_the_max_of_a_negative_moment2_and_zero(emu, dtype):
+    # torch.maximum(zeros, v') with v' < 0 is 0: a finite root, where the loop without the max
+    # would take the root of a negative number
+    params = [randn((n,), dtype, seed=n) for n in (2 * CHUNK + 21, 1000)]
+    grads, m1s, m2s, _ = make_state("adamw_amsgrad", params, dtype)
+    for v in m2s:
+        v[[1, 17, v.numel() - 1]] = -1.0
+    empty = [torch.empty(0, dtype=dtype)] * 2
+    rule, hyper = hyper_rows("adamw_amsgrad", 2)
+    f, c = check_stats(emu, params, (grads, m1s, m2s, empty), hyper, rule, dtype, "amsgrad, mv, negative moment2")
+    assert f.isfinite().all() and c[:, :3].sum() == 0 and (c[:, 3] >= 3).all()
+
+
+def test_moment_nonfinite_tests_each_moment_not_their_sum(emu, dtype):
+    # m' + v' overflows for finite moments near the dtype's largest value: neither is counted
+    params = [randn((n,), dtype, seed=n) for n in (CHUNK + 19, 40)]
+    grads, m1s, m2s, _ = make_state("adam", params, dtype)
+    big = torch.finfo(dtype).max * 0.9
+    for m, v in zip(m1s, m2s):
+        m[[0, 9, m.numel() - 1]] = big
+        v[[0, 9, v.numel() - 1]] = big
+    m1s[0][12], m2s[0][CHUNK + 3] = math.inf, math.nan
+    empty = [torch.empty(0, dtype=dtype)] * 2
+    rule, hyper = hyper_rows("adam", 2)
+    state = (grads, m1s, m2s, empty)
+    # The counts only: the squares of such moments overflow the float32 sums (not float64's).
+    _, c = emu.multi_tensor_update_stats(params, *state, hyper, rule)
+    assert c[:, 2].tolist() == [2, 0]
+    assert torch.equal(c, update_stats_mirror(params, *state, hyper, rule, acc_dtype(dtype))[1])
+    assert torch.equal(c, update_reference.multi_tensor_update_stats(params, *state, hyper, rule)[1])
+    cpu = cpu_op("multi_tensor_update_stats")
+    if cpu is not None:
+        assert torch.equal(c, cpu(params, *state, hyper, rule)[1])
 
 
 @pytest.mark.parametrize("count_of", ["small+1", "large+5"])

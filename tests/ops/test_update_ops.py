@@ -451,3 +451,68 @@ def test_clip_sgd_nesterov_first_step_and_hyper_step_ignored(cpu_capability):
         clip_op([a], [params[0].grad], m1, m2, m2max, hyper, coefs, rule)
         clip_op([b], [params[0].grad], m1, m2, m2max, other, coefs, rule)
     assert torch.equal(a, b) and not torch.equal(a, after)
+
+
+# ---- Edge cases of the state: the kernels as the reference
+
+
+def amsgrad_row(t=3.0):
+    # lr, weight_decay, beta1, beta2, eps, t, flags
+    return torch.tensor([[1e-3, 0.0, 0.9, 0.999, 1e-8, t, FLAG_AMSGRAD]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_clip_amsgrad_without_moment2_max_reads_max_of_zero_and_moment2(dtype, cpu_capability):
+    # No moment2_max with amsgrad: the state of a first amsgrad step, whose running max is
+    # torch.maximum(zeros, exp_avg_sq), so the clip divides by the root of max(0, moment2), not of 0.
+    n = CHUNK + 37  # vector steps and a scalar tail
+    w, g, m = (torch.full((n,), x, dtype=dtype) for x in (1.0, 0.01, 0.01))
+    v = torch.full((n,), 1e-4, dtype=dtype)
+    v[[5, CHUNK + 30]] = -1e-4  # below the zero max: the max is 0
+    v[[6, CHUNK + 31]] = 0.0
+    coefs = torch.tensor([0.5], dtype=torch.float64)
+    got, explicit, ref = w.clone(), w.clone(), w.clone()
+    clip_op([got], [g], [m], [v], [absent(dtype)], amsgrad_row(), coefs, RULE_ADAM)
+    clip_op([explicit], [g], [m], [v], [v.clamp(min=0)], amsgrad_row(), coefs, RULE_ADAM)
+    update_reference.multi_tensor_update_clip_([ref], [g], [m], [v], [absent(dtype)], amsgrad_row(), coefs, RULE_ADAM)
+    assert torch.equal(bits(got), bits(explicit))
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 1e-2)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=0)
+    # w_before = 1 + 2.02e-4, its update halved: 1.0001 (the root of 0 would give 1846)
+    step_size, root = 1e-3 / (1 - 0.9 ** 3), math.sqrt(float(v[0])) / math.sqrt(1 - 0.999 ** 3)
+    a = -step_size * float(m[0]) / (root + 1e-8)
+    positive = v > 0
+    want = torch.full((int(positive.sum()),), 1 - a + 0.5 * a, dtype=torch.float64)
+    torch.testing.assert_close(got[positive].double(), want, rtol=tol, atol=0)
+    assert got[~positive].double().min() > 1000
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_stats_amsgrad_without_moment2_max_takes_the_max_of_a_negative_moment2_and_zero(dtype, cpu_capability):
+    # torch.maximum(zeros, v') with v' < 0 is 0: a finite root, not sqrt of a negative number
+    n = 2 * CHUNK + 21
+    args = make_inputs(CONFIGS[len(SGD_CONFIGS) + 2], [n], dtype, seed=4)
+    params, grads, m1, m2, _, hyper, rule = args
+    m2[0][[1, 17, CHUNK + 2, n - 1]] = -1.0
+    f, c = stats_op(params, grads, m1, m2, [absent(dtype)], hyper, rule)
+    assert_rows_match_reference((params, grads, m1, m2, [absent(dtype)], hyper, rule), (f, c))
+    assert f.isfinite().all() and c[0, UPDATE_NONFINITE] == c[0, MOMENT_NONFINITE] == 0
+    assert c[0, EPS_DOMINATED] >= 4 + len(range(0, n, 5))  # the zero max, and the zero gradients on zero state
+    zeros = torch.zeros_like(m2[0])
+    assert torch.equal(f, stats_op(params, grads, m1, m2, [zeros], hyper, rule)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_moment_nonfinite_tests_each_moment_not_their_sum(dtype, cpu_capability):
+    # m' + v' overflows for finite moments near the dtype's largest value: neither is counted
+    n = CHUNK + 19
+    args = make_inputs(CONFIGS[len(SGD_CONFIGS) + 1], [n], dtype, seed=6)
+    params, grads, m1, m2, m2max, hyper, rule = args
+    big = torch.finfo(dtype).max * 0.9
+    m1[0][[0, 40, n - 1]] = big
+    m2[0][[0, 40, n - 1]] = big
+    m1[0][8], m2[0][CHUNK + 9] = math.inf, math.nan  # one non-finite moment each
+    f, c = stats_op(*args)
+    _, rc = update_reference.multi_tensor_update_stats(*args)
+    assert c[0, MOMENT_NONFINITE] == rc[0, MOMENT_NONFINITE] == 2
+    assert torch.equal(c, rc)
