@@ -64,7 +64,7 @@ def run_grid(csrc: Path, sanitize: bool, selection: str) -> subprocess.Completed
     # Uncaptured and unbuffered: a sanitizer aborts the process, losing what pytest holds.
     env = dict(os.environ, GRADFUSE_EMU_CSRC=str(csrc), PYTHONUNBUFFERED="1")
     env = cuda_emu.sanitizer_env(env) if sanitize else env
-    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda_emulated.py", "-x", "-q", "-s", "-p", "no:randomly",
+    cmd = [sys.executable, "-m", "pytest", "tests/cuda/test_cuda_emulated.py", "-x", "-q", "-s", "-p", "no:randomly",
            "-p", "no:cacheprovider", "-k", selection]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
 
