@@ -32,6 +32,7 @@ struct Emulated {
   static constexpr const char* kHistOp = "gradfuse_emu.multi_tensor_exponent_histogram";
   static constexpr const char* kUpdateStatsOp = "gradfuse_emu.multi_tensor_update_stats";
   static constexpr const char* kUpdateClipOp = "gradfuse_emu.multi_tensor_update_clip_";
+  static constexpr const char* kStepOp = "gradfuse_emu.multi_tensor_optim_step_";
   struct Guard {
     explicit Guard(c10::Device) {}
   };
@@ -138,6 +139,11 @@ TORCH_LIBRARY(gradfuse_emu, m) {
         "Tensor[] moment2_max, Tensor hyper, int rule) -> (Tensor, Tensor)");
   m.def("multi_tensor_update_clip_(Tensor(a!)[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
         "Tensor[] moment2_max, Tensor hyper, Tensor coefs, int rule) -> ()");
+  // The fused optimizer step, on the same tables.
+  m.def("multi_tensor_optim_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] moment1, "
+        "Tensor(c!)[] moment2, Tensor(d!)[] moment2_max, Tensor coefs, int rule, int torch_threads, "
+        "Tensor? grad_scale=None, Tensor? skip=None, Tensor? update_coefs=None, bool stats=False, "
+        "bool write=True) -> (Tensor, Tensor)");
   m.def("list_table_sizes() -> int[]", []() -> std::vector<int64_t> {
     return {gradfuse::cuda::kSmallTableTensors, gradfuse::cuda::kMaxListTensorsPerLaunch};
   });
@@ -154,4 +160,5 @@ TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::multi_tensor_exponent_histogram_on<Emulated>);
   m.impl("multi_tensor_update_stats", &gradfuse::cuda::multi_tensor_update_stats_on<Emulated>);
   m.impl("multi_tensor_update_clip_", &gradfuse::cuda::multi_tensor_update_clip_on<Emulated>);
+  m.impl("multi_tensor_optim_step_", &gradfuse::cuda::multi_tensor_optim_step_on<Emulated>);
 }
