@@ -360,7 +360,7 @@ __device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], i
       const P first = v[0];
 #pragma unroll
       for (int k = 0; k < P::kSize; ++k) f(v, k);
-      done(v, first, P::kSize);
+      done(v, first, int{P::kSize});  // (a value: the hook may take it by reference)
 #pragma unroll
       for (int l = 0; l < kLists; ++l) {
         if (written(l)) reinterpret_cast<P*>(x[l])[j] = v[l];

@@ -11,20 +11,23 @@
 // set_step_torch_sqrt(False) with torch_threads 0. The block streams its chunk with one loop per
 // case of the state the step reads and writes (decided per block, uniform over it), each moving
 // only the lists its case needs:
-//   SGD without momentum (or without a buffer)  reads w, g         writes w
-//   SGD's first step with momentum              reads w, g         writes w, buf (buf = the gradient)
-//   SGD with momentum                           reads w, g, buf    writes w, buf
-//   Adam / AdamW                                reads w, g, m, v   writes w, m, v
-//   with amsgrad                                reads w, g, m, v, v_max and writes them but g
-// A skip flag that is not zero (NaN included) writes nothing: without statistics the block returns
-// before touching memory; with them it streams the same loops without their stores. An update
-// coefficient below 1 rescales the tensor's update (w_before + c * (w_after - w_before), rounded
-// as the CPU kernels round it), in a loop of its own.
+//   SGD without momentum                 reads w, g          writes w
+//   SGD's first step with momentum       reads w, g          writes w, buf (the buffer is the gradient)
+//   SGD with momentum                    reads w, g, buf     writes w, buf
+//   Adam / AdamW                         reads w, g, m, v    writes w, m, v
+//   with amsgrad                         reads w, g, m, v, v_max and writes them but g
+// and, for each, with or without a gradient scale and an update rescale. The rare cases (SGD's
+// momentum without a buffer, amsgrad without max_exp_avg_sq) take one loop that reads the optional
+// list where present. A skip flag that is not zero (NaN included) writes nothing: without
+// statistics the block returns before touching memory; with them it streams the same loops
+// without their stores. An update coefficient below 1 rescales the tensor's update
+// (w_before + c * (w_after - w_before), rounded as the CPU kernels round it).
 //
 // With statistics, the rows of multi_tensor_update_stats for the step taken (its update after the
-// rescale): one pass (the step writes what a second pass would read), each thread's sums and
-// counts, then the block's in its partial row (block_reduce, a fixed tree), then finalize_kernel
-// combines each tensor's rows in order, in double. Deterministic; no atomics.
+// rescale): one pass (the step writes what a second pass would read), each thread's sums, and its
+// non-finite counts taken per pack once its sums are no longer finite (StepElementAcc); then the
+// block's row in its partial row (block_reduce, a fixed tree), and finalize_kernel combines each
+// tensor's rows in order, in double. Deterministic; no atomics.
 #pragma once
 
 #include <cmath>
@@ -39,10 +42,44 @@
 
 namespace gradfuse::cuda {
 
+// A rare path out of line, a call its loop branches around: scripts/sass_budget.py counts a trip
+// of a loop without the blocks a branch skips to call a routine (as IEEE division's slow path).
+#if defined(__CUDACC__)
+#define GRADFUSE_NOINLINE __noinline__
+#else
+#define GRADFUSE_NOINLINE __attribute__((noinline))
+#endif
+
+// Elements with a NaN or Inf update, weight, or moment (moment1, or with Adam the second moment).
+struct NonfiniteCounts {
+  ElemCount update = 0, weight = 0, moment = 0;
+};
+
+// The counts of the first `count` elements of a pack, from the weights before and after the step
+// and the moments after it (v: the second moment the root was taken of; SGD: zeros).
+template <typename scalar_t, UpdateRule kRule>
+GRADFUSE_NOINLINE __device__ NonfiniteCounts count_nonfinite(Pack<scalar_t> w_before, Pack<scalar_t> w_after,
+                                                             Pack<scalar_t> m, Pack<scalar_t> v, int count) {
+  using acc_t = acc_of<scalar_t>;
+  NonfiniteCounts c;
+  for (int k = 0; k < count; ++k) {
+    const acc_t w = element(w_before, k), mk = element(m, k);
+    c.update += nonfinite_count(element(w_after, k) - w);
+    c.weight += nonfinite_count(w);
+    if constexpr (kRule == UpdateRule::kAdam) {
+      // NaN or Inf in either (a sum of the two could overflow)
+      const acc_t vk = element(v, k);
+      c.moment += (::fabs(mk) < acc_t(INFINITY) && ::fabs(vk) < acc_t(INFINITY)) ? ElemCount(0) : ElemCount(1);
+    } else {
+      c.moment += nonfinite_count(mk);
+    }
+  }
+  return c;
+}
+
 // One thread's statistics of the steps it took: the CPU kernels' columns (add_element_stats of
 // step_kernels_impl.h). The step overwrites what a second pass would read, so the non-finite counts
-// are taken in the same pass, but per pack and only while the sums are not finite (add_sums,
-// sums_finite, add_nonfinite).
+// are taken in the same pass: per pack (count_nonfinite), only once the sums are not finite.
 template <typename acc_t, UpdateRule kRule>
 struct StepElementAcc {
   acc_t update_sumsq = 0, weight_sumsq = 0, moment1_sumsq = 0, moment2_sumsq = 0;
@@ -68,16 +105,10 @@ struct StepElementAcc {
     return nonfinite_count(update_sumsq + weight_sumsq + moment1_sumsq + moment2_sumsq) == ElemCount(0);
   }
 
-  // v: the second moment the root was taken of (SGD: none).
-  C10_HOST_DEVICE inline void add_nonfinite(acc_t u, acc_t w, acc_t m, acc_t v) {
-    update_nonfinite += nonfinite_count(u);
-    weight_nonfinite += nonfinite_count(w);
-    if constexpr (kRule == UpdateRule::kAdam) {
-      // NaN or Inf in either (a sum of the two could overflow)
-      moment_nonfinite += (::fabs(m) < acc_t(INFINITY) && ::fabs(v) < acc_t(INFINITY)) ? ElemCount(0) : ElemCount(1);
-    } else {
-      moment_nonfinite += nonfinite_count(m);
-    }
+  C10_HOST_DEVICE inline void add_counts(const NonfiniteCounts& c) {
+    update_nonfinite += c.update;
+    weight_nonfinite += c.weight;
+    moment_nonfinite += c.moment;
   }
 
   C10_HOST_DEVICE inline UpdateAcc<acc_t> row() const {
@@ -261,16 +292,9 @@ struct StepOp {
         [&](const P (&p)[kUpdateLists], const P& w_read, int count) {
           if constexpr (kStats) {
             if (e.sums_finite()) return;  // no NaN or Inf so far: nothing to count
-#pragma unroll
-            for (int k = 0; k < P::kSize; ++k) {
-              if (k >= count) break;
-              const acc_t w_before = element(w_read, k);
-              acc_t v = 0;  // the second moment the root was taken of
-              if constexpr (kRule == UpdateRule::kAdam) {
-                v = h.amsgrad ? element(p[kMoment2MaxList], k) : element(p[kMoment2List], k);
-              }
-              e.add_nonfinite(element(p[kParamsList], k) - w_before, w_before, element(p[kMoment1List], k), v);
-            }
+            P v{};  // the second moment the root was taken of
+            if constexpr (kRule == UpdateRule::kAdam) v = h.amsgrad ? p[kMoment2MaxList] : p[kMoment2List];
+            e.add_counts(count_nonfinite<scalar_t, kRule>(w_read, p[kParamsList], p[kMoment1List], v, count));
           }
         });
   }

@@ -14,7 +14,11 @@ without statistics touches no memory), update coefficients, write=False. The fil
 under ASan+UBSan, built with FMA contraction (nvcc's default) and with the blocks and threads
 scheduled in reverse order.
 """
+import ast
 import math
+import os
+import subprocess
+import sys
 
 import cuda_emu
 import pytest
@@ -413,6 +417,24 @@ def test_step_argument_checks(emu):
 
 
 # ---- Reruns
+
+
+def test_reverse_schedule_runs_blocks_and_threads_from_the_last():
+    """What test_step_grid_in_reverse_schedule relies on: with one worker, the threads of a grid
+    start in thread order, block after block, and in the opposite order under
+    CUDA_EMU_SCHEDULE=reverse."""
+    script = ("import sys, torch; sys.path.insert(0, 'tests'); import cuda_emu; "
+              "print(cuda_emu.load().selftest('arrival_order').tolist())")
+    orders = []
+    for schedule in ("forward", "reverse"):
+        env = dict(os.environ, CUDA_EMU_THREADS="1", CUDA_EMU_SCHEDULE=schedule)
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              cwd=cuda_emu.ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        orders.append(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
+    assert orders[0] == list(range(3 * 64))
+    assert orders[1] == list(range(3 * 64))[::-1]
+
 
 
 @pytest.mark.skipif(RERUN, reason="this is a rerun")

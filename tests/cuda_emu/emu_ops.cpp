@@ -78,6 +78,13 @@ __global__ void atomics(float* f, unsigned long long* u) {
   atomicAdd(u, 1ull);
 }
 
+// The order in which the threads of the grid run: each takes the next number as it starts (with one
+// worker thread, CUDA_EMU_THREADS=1: thread order, block after block; reversed under
+// CUDA_EMU_SCHEDULE=reverse).
+__global__ void arrival_order(int64_t* out, unsigned long long* counter) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = static_cast<int64_t>(atomicAdd(counter, 1ull));
+}
+
 // Planted bugs: each must make the launch throw, naming the block.
 __global__ void divergent_shuffle() {
   if (threadIdx.x % 32 < 16) __shfl_down_sync(0xffffffffu, 1, 1);
@@ -106,6 +113,13 @@ at::Tensor run(const std::string& name) {
     auto u = at::zeros({1}, at::kLong);
     cuda_emu::launch(atomics, 64, 256, f.data_ptr<float>(), reinterpret_cast<unsigned long long*>(u.data_ptr<int64_t>()));
     return at::cat({f.to(at::kLong), u});
+  }
+  if (name == "arrival_order") {
+    auto out = at::full({3 * 64}, int64_t{-1}, at::kLong);
+    auto counter = at::zeros({1}, at::kLong);
+    cuda_emu::launch(arrival_order, 3, 64, out.data_ptr<int64_t>(),
+                     reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>()));
+    return out;
   }
   if (name == "divergent_shuffle") cuda_emu::launch(divergent_shuffle, 3, 64);
   else if (name == "barrier_in_divergent_code") cuda_emu::launch(barrier_in_divergent_code, 2, 64);
