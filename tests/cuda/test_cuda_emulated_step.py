@@ -172,11 +172,22 @@ def same_bits(a, b):
     return torch.equal(a.reshape(-1).view(bits)[~nan.reshape(-1)], b.reshape(-1).view(bits)[~nan.reshape(-1)])
 
 
+def copy_of(t):
+    """A copy of t whose first element sits at the same offset from a 64-byte boundary (a clone
+    would be aligned: a misaligned view must stay misaligned)."""
+    if t.numel() == 0:
+        return t.clone()
+    shift = t.data_ptr() % 64 // t.element_size()
+    copy = torch.empty(t.numel() + shift, dtype=t.dtype)[shift:].view(t.shape)
+    assert copy.data_ptr() % 64 == t.data_ptr() % 64
+    return copy.copy_(t)
+
+
 def both_steps(emu, lists, coefs, rule, **options):
     """The step on copies of lists by the emulated CUDA op and by the CPU op: ((lists, rows), (lists, rows))."""
     results = []
     for op in (emu.multi_tensor_optim_step_, torch.ops.gradfuse.multi_tensor_optim_step_):
-        copies = [[t.clone() for t in lst] for lst in lists]
+        copies = [[copy_of(t) for t in lst] for lst in lists]
         rows = op(*copies, coefs, rule, 0, **options)
         results.append((copies, rows))
     return results
@@ -240,6 +251,7 @@ def test_step_grid(emu, dtype, config):
     state = state_of(config, params, dtype)
     coefs, rule = coefs_of(config, len(params))
     lists = [params, *state]
+    assert sum(p.data_ptr() % 16 != 0 for p in params) == 2  # the misaligned views
     got, (f, c) = assert_same_step(emu, lists, coefs, rule, config, stats=True)
     assert_moved(lists, got, config)
     assert c[:, 4].tolist() == [p.numel() for p in params]
