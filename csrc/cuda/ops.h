@@ -1,9 +1,7 @@
 // The ATen side of the CUDA ops (input checks, allocation, device guard, stream) around the
-// launches of stats_ops.cuh, clip_ops.cuh, hist_ops.cuh, update_ops.cuh and step_ops.cuh, written once for two
-// devices: the GPU
-// (the .cu files) and the CUDA emulation that runs the same kernels on CPU tensors in the tests
-// (tests/cuda_emu). A Device
-// supplies:
+// launches of stats_ops.cuh, clip_ops.cuh, hist_ops.cuh, update_ops.cuh and step_ops.cuh, written
+// once for two devices: the GPU (the .cu files) and the CUDA emulation that runs the same kernels
+// on CPU tensors in the tests (tests/cuda_emu). A Device supplies:
 //   kType            the tensors' device type
 //   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp,
 //   kUpdateStatsOp, kUpdateClipOp, kStepOp
