@@ -62,7 +62,8 @@ TORCH_LIBRARY(gradfuse, m) {
   // step of every tensor, bit for bit, in one pass: weights and state updated in place from the
   // gradients, with the table coefs (float64 [n, 12], on the device) holding the scalars torch
   // forms in Python. torch_threads: the thread count of the torch step reproduced (a 16-bit
-  // `add` rounds differently in torch's scalar tails; 0: none). Optional, each on the device and
+  // `add` rounds differently in torch's scalar tails; 0: none, the only value CUDA takes: the
+  // tails are those of torch's CPU kernels). Optional, each on the device and
   // never read by the host on a GPU: grad_scale (every gradient times it as read, rounded to its
   // dtype, as a scaling pass before the step would), skip (nonzero: nothing is written), update_coefs (float64 [n]: tensor i's update
   // times update_coefs[i] where that is below 1). stats: also the update-statistics rows of

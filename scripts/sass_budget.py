@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Instruction budget of the stats kernel (and of the clipping, histogram and optimizer-update
-kernels, below), read from the machine code the compiler emitted.
+"""Instruction budget of the stats kernel (and of the clipping, histogram, optimizer-update and
+fused optimizer-step kernels, below), read from the machine code the compiler emitted.
 
 A streaming kernel runs at min(memory bandwidth, issue rate / instructions per element). On an
 H200 (4.8 TB/s, about 33.5e12 thread-instructions/s) a 2-byte element may cost at most ~14
@@ -563,6 +563,179 @@ def update_report(kernels: list[UpdateLoop], arch: str) -> str:
     return "\n".join(lines)
 
 
+# ---- The fused optimizer step (StepOp<scalar_t, rule, stats> of csrc/cuda/step_ops.cuh), which
+# streams the parameters, gradients and optimizer state with one loop per case of the lists it
+# reads and writes (SGD: w, g -> w; w, g -> w, buf on its first step; w, g, buf -> w, buf. Adam:
+# w, g, m, v -> w, m, v, with amsgrad v_max too), each with and without a gradient scale and an
+# update rescale, and without its stores where the step only gives its statistics (write=False, a
+# skipped step). Each loop moves one 16-byte pack of each list per trip, so its traffic per element
+# is read off the loop, as the update kernels': (unpredicated 16-byte loads + stores) x element
+# size. Counted: the instructions of the longest path through one trip, from the loop's first
+# instruction to its backward branch (a trip issues one arm of each branch on the step's flags),
+# less the blocks that a forward branch skips to call an out-of-line routine: IEEE division's and
+# square root's slow paths (denormals, overflow) and the statistics' non-finite counts, which run
+# only once a thread's sums are NaN or Inf. Budget: the traffic times the H200's instructions per
+# byte at full bandwidth (~7), times STEP_MARGIN; STEP_ARITHMETIC holds the exceptions.
+# torch's Adam in 16 bits is a long chain of exact operations, each rounded to the dtype (two IEEE
+# divisions, an IEEE square root, float16's through double, nine roundings to 16 bits): up to 87
+# (bfloat16) and 96 (float16) instructions per element without the statistics and 94 and 102 with
+# them, against a bound of ~98 for the 14 bytes it moves. With its stores it is within its bound
+# but for float16 with the statistics (1.04x); without them (the statistics-only pass of an
+# update-RMS limit, 8 or 10 bytes per element, a bound of 56 or 70) it is compute-bound by
+# 1.4-1.8x. SGD's statistics-only pass in 16 bits (4 bytes per element, a bound of 28) is
+# compute-bound by up to 1.3x with its flags, scale and rescale all on. float32 and float64 are
+# within their budgets with a wide margin (float64's FP64 instructions issue at half rate on an
+# H100 / H200, which the count does not model: within 2x of their budgets still).
+STEP_MARGIN = UPDATE_MARGIN
+# (dtype, rule, lists, with statistics): instructions per element allowed where the arithmetic
+# exceeds the traffic budget (the worst loop measured, plus ~4%).
+STEP_ARITHMETIC = {
+    # Adam with its stores: within the bound (0.89x, 0.98x), the statistics' sums added: 0.96x, 1.04x
+    ("bf16", "adam", "4r3w", False): 90.0, ("fp16", "adam", "4r3w", False): 99.0,
+    ("bf16", "adam", "4r3w", True): 98.0, ("fp16", "adam", "4r3w", True): 106.0,
+    # the statistics only: Adam 1.65x / 1.78x its bound, with amsgrad 1.37x / 1.46x; SGD 1.30x / 1.24x
+    ("bf16", "adam", "4r", True): 96.0, ("fp16", "adam", "4r", True): 103.0,
+    ("bf16", "adam", "5r", True): 99.0, ("fp16", "adam", "5r", True): 106.0,
+    ("bf16", "sgd", "2r", True): 38.0, ("fp16", "sgd", "2r", True): 36.0,
+    # SGD's momentum read (statistics only), its first step and its momentum without a buffer
+    # (with statistics): 0.87-0.88x
+    ("bf16", "sgd", "3r", True): 38.0, ("bf16", "sgd", "2r1w", True): 39.0, ("fp16", "sgd", "2r1w", True): 39.0,
+}
+_STEP_KERNEL = re.compile(r"StepOpI(N3c108BFloat16E|N3c104HalfE|f|d)LNS_10UpdateRuleE(\d)ELb([01])E")
+_ANY_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)\s*$")
+
+
+@dataclasses.dataclass
+class StepLoop:
+    kernel: str  # mangled name
+    dtype: str
+    rule: str  # sgd / adam
+    stats: bool  # the kernel with the statistics rows
+    elem_bytes: int
+    loop: Loop
+    loads16: int  # unpredicated
+    stores16: int
+    issued: int  # instructions of the longest trip, slow paths not counted
+
+    @property
+    def elements(self) -> int:
+        return 16 // self.elem_bytes
+
+    @property
+    def lists(self) -> str:
+        return f"{self.loads16}r{self.stores16}w" if self.stores16 else f"{self.loads16}r"
+
+    @property
+    def bytes_per_element(self) -> int:
+        return (self.loads16 + self.stores16) * self.elem_bytes
+
+    @property
+    def per_element(self) -> float:
+        return self.issued / self.elements
+
+    @property
+    def bound(self) -> float:
+        """Instructions per element at which the loop stops being memory-bound on an H200."""
+        return self.bytes_per_element * ISSUE_RATE / BANDWIDTH
+
+    @property
+    def budget(self) -> float:
+        floor = STEP_ARITHMETIC.get((self.dtype, self.rule, self.lists, self.stats), 0.0)
+        return max(self.bound * STEP_MARGIN, floor)
+
+    @property
+    def table(self) -> str:
+        m = _TABLE.search(self.kernel)
+        return m.group(1) if m else "-"
+
+
+def cold_indices(body: list[str], start: int) -> set[int]:
+    """Indices into `body` (which starts at instruction index `start`) of the blocks that a
+    conditional forward branch skips and that hold a CALL: the out-of-line slow paths."""
+    cold = set()
+    for i, ins in enumerate(body):
+        m = _FWD_BRANCH.match(ins)
+        if not m:
+            continue
+        target = int(m.group(1), 16) // 16 - start
+        if i < target <= len(body) and any(_CALL.match(b) for b in body[i + 1:target]):
+            cold.update(range(i + 1, target))
+    return cold
+
+
+def trip_instructions(body: list[str], start: int) -> int:
+    """The instructions of the longest path through one trip of the loop `body` (its first
+    instruction at index `start`; its last, the backward branch), slow paths not counted: every
+    branch inside the body goes forward, so the paths form a DAG walked in address order."""
+    cold = cold_indices(body, start)
+    unreached = -1
+    longest = [unreached] * len(body)
+    longest[0] = 0 if 0 in cold else 1
+    for i, ins in enumerate(body[:-1]):
+        if longest[i] == unreached:
+            continue
+        m = _ANY_BRANCH.match(ins)
+        if m:
+            target = int(m.group(2), 16) // 16 - start
+            successors = ([target] if i < target < len(body) else []) + ([i + 1] if m.group(1) else [])
+        elif ins.startswith(("EXIT", "RET")):
+            successors = []
+        else:
+            successors = [i + 1]
+        for j in successors:
+            longest[j] = max(longest[j], longest[i] + (0 if j in cold else 1))
+    return longest[-1]
+
+
+def step_kernel_loops(sass: str) -> list[StepLoop]:
+    """Every streaming loop (innermost, 16-byte loads) of every fused-step kernel instantiation in
+    `sass`; raises when one kernel has none."""
+    result = []
+    for name, instructions in split_functions(sass).items():
+        m = _STEP_KERNEL.search(name)
+        if not m:
+            continue
+        dtype, elem_bytes = _DTYPES[m.group(1)]
+        found = [(lp, instructions[lp.start:lp.end + 1]) for lp in loops(instructions)]
+        found = [(lp, body) for lp, body in found if any(_ANY_LOAD16.match(b) for b in body)]
+        inner = [(lp, body) for lp, body in found
+                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o, _ in found)]
+        if not inner:
+            raise ValueError(f"no loop of 16-byte loads found in {name}")
+        for lp, body in inner:
+            loads = sum(bool(_ANY_LOAD16.match(b)) and not b.startswith("@") for b in body)
+            stores = sum(bool(_STORE16.match(b)) for b in body)
+            result.append(StepLoop(name, dtype, _UPDATE_RULES[m.group(2)], m.group(3) == "1", elem_bytes, lp, loads,
+                                   stores, trip_instructions(body, lp.start)))
+    order = list(v[0] for v in _DTYPES.values())
+    return sorted(result, key=lambda k: (order.index(k.dtype), k.rule, k.stats,
+                                         int(k.table) if k.table.isdigit() else 0, k.loads16, k.stores16))
+
+
+def step_over_budget(kernels: list[StepLoop]) -> list[StepLoop]:
+    return [k for k in kernels if k.per_element > k.budget]
+
+
+def step_report(kernels: list[StepLoop], arch: str) -> str:
+    """One line per kernel and case of lists: its loops (scale, rescale, flags) and the worst."""
+    groups: dict[tuple, list[StepLoop]] = {}
+    for k in kernels:
+        groups.setdefault((k.dtype, k.rule, k.stats, k.table, k.lists), []).append(k)
+    lines = [f"fused optimizer step's loops (one per case of the lists read and written; the worst shown), {arch}",
+             f"{'dtype':<6}{'rule':<6}{'stats':<7}{'table':>6}{'lists':>7}{'loops':>6}{'B/elem':>7}{'instr/trip':>11}"
+             f"{'elems/trip':>11}{'instr/elem':>11}{'bound':>7}{'budget':>8}"]
+    for (dtype, rule, stats, table, lists), group in groups.items():
+        k = max(group, key=lambda g: g.per_element)
+        budget = k.budget if arch == BUDGET_ARCH else None
+        flag = "" if budget is None else ("  OVER BUDGET" if k.per_element > budget else
+                                          f"  ok, compute-bound {k.per_element / k.bound:.2f}x"
+                                          if k.per_element > k.bound else "  ok")
+        lines.append(f"{dtype:<6}{rule:<6}{'yes' if stats else 'no':<7}{table:>6}{lists:>7}{len(group):>6}"
+                     f"{k.bytes_per_element:>7}{k.issued:>11}{k.elements:>11}{k.per_element:>11.2f}{k.bound:>7.1f}"
+                     f"{'' if budget is None else f'{budget:.1f}':>8}{flag}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("binary", nargs="?", help="a .so / .cubin / fatbin (default: gradfuse/_C*.so)")
@@ -578,6 +751,7 @@ def main(argv=None) -> int:
         clip_kernels = clip_kernel_loops(sass)
         hist_kernels = hist_kernel_loops(sass)
         update_kernels = update_kernel_loops(sass)
+        step_kernels = step_kernel_loops(sass)
         res = resources(binary, args.arch) if args.resources else None
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
@@ -598,6 +772,9 @@ def main(argv=None) -> int:
     if update_kernels:
         print()
         print(update_report(update_kernels, args.arch))
+    if step_kernels:
+        print()
+        print(step_report(step_kernels, args.arch))
     if args.arch == BUDGET_ARCH and over_budget(kernels):
         print("over budget: " + ", ".join(sorted({k.dtype for k in over_budget(kernels)})), file=sys.stderr)
         return 1
@@ -608,6 +785,10 @@ def main(argv=None) -> int:
     if args.arch == BUDGET_ARCH and update_over_budget(update_kernels):
         print("over budget: " + ", ".join(sorted({f"{k.kind} {k.dtype} {k.rule} {k.lists}"
                                                   for k in update_over_budget(update_kernels)})), file=sys.stderr)
+        return 1
+    if args.arch == BUDGET_ARCH and step_over_budget(step_kernels):
+        print("over budget: " + ", ".join(sorted({f"step {k.dtype} {k.rule} {k.lists}{' stats' if k.stats else ''}"
+                                                  for k in step_over_budget(step_kernels)})), file=sys.stderr)
         return 1
     if args.arch == BUDGET_ARCH and hist_over_budget(hist_kernels):
         print("hist_kernel over budget: " + ", ".join(sorted({k.dtype for k in hist_over_budget(hist_kernels)})),

@@ -1,5 +1,6 @@
-"""What the three emulated-CUDA test files share: the emulated backend, one torch thread while
-they run, and the rerun of a file under ASan/UBSan. Import the fixtures by name into a test file."""
+"""What the emulated-CUDA test files share: the emulated backend, one torch thread while they run,
+and the reruns of a file under ASan/UBSan, with FMA contraction, or with the blocks and threads
+scheduled in reverse order. Import the fixtures by name into a test file."""
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import torch
 
 SANITIZED = os.environ.get("GRADFUSE_EMU_SANITIZE") == "1"
 FMA = os.environ.get("GRADFUSE_EMU_FMA") == "1"
+REVERSED = os.environ.get("CUDA_EMU_SCHEDULE") == "reverse"
+RERUN = SANITIZED or FMA or REVERSED  # a rerun does not start reruns of its own
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,19 @@ def rerun_with_fma(test_file: str, keyword: str, timeout: int = 900) -> None:
         if " fma" not in f.read():
             pytest.skip("this CPU has no FMA instructions")
     env = dict(os.environ, GRADFUSE_EMU_FMA="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-k", keyword, "-p", "no:randomly",
+                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cuda_emu.ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert " passed" in proc.stdout
+
+
+def rerun_reversed(test_file: str, keyword: str, timeout: int = 900) -> None:
+    """Runs the tests of test_file selected by ``-k keyword`` again with the emulator taking the
+    blocks of every launch from the last down and the threads of a block from the last down
+    (CUDA_EMU_SCHEDULE=reverse): a result that depends on the order blocks run in, or on which
+    thread reaches shared memory first between two barriers, changes."""
+    env = dict(os.environ, CUDA_EMU_SCHEDULE="reverse", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-k", keyword, "-p", "no:randomly",
                            "-p", "no:cacheprovider"], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cuda_emu.ROOT)

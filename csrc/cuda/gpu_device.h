@@ -27,6 +27,7 @@ struct Gpu {
   static constexpr const char* kHistOp = "gradfuse.multi_tensor_exponent_histogram";
   static constexpr const char* kUpdateStatsOp = "multi_tensor_update_stats";
   static constexpr const char* kUpdateClipOp = "multi_tensor_update_clip_";
+  static constexpr const char* kStepOp = "multi_tensor_optim_step_";
   using Guard = c10::cuda::CUDAGuard;
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
   static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts) { return at::empty(sizes, opts); }

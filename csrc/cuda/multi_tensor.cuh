@@ -316,22 +316,38 @@ __device__ inline void for_each_element(std::conditional_t<kWrite, scalar_t, con
 // l's element k. Which lists are read is decided at compile time, so that the loop of each case
 // holds only its own loads: lists in kLoaded are read (their pointers must not be null), lists in
 // kMaybe are read where their pointer is not null (an absent tensor), and every other list reads
-// as zeros without touching memory. Aligned fast path when every list read is 16-byte aligned:
-// one 16-byte load per list and thread in flight, a pack of each list per trip (the arithmetic of
-// the ops that stream several lists is long enough to hide the loop); else element by
-// element, as for_each_element's misaligned path. With kWriteFirst, f may change packs[0].v[k]
-// and list 0 (which must be in kLoaded) is stored back; the others are only read.
-template <int kN, int kLists, bool kWriteFirst, unsigned kLoaded, unsigned kMaybe, typename scalar_t, typename F>
-__device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], int n, int tid, F&& f) {
-  static_assert(!kWriteFirst || (kLoaded & 1u), "the list written is read");
+// as zeros without touching memory. Aligned fast path when every list read or written is 16-byte
+// aligned: one 16-byte load per list and thread in flight, a pack of each list per trip (the
+// arithmetic of the ops that stream several lists is long enough to hide the loop); else element
+// by element, as for_each_element's misaligned path. Lists in kWritten: f may change
+// packs[l].v[k], and the packs are stored back (a written list in kMaybe where its pointer is not
+// null; one in neither kLoaded nor kMaybe is written only, its packs starting as zeros for f to
+// fill); the other lists are only read. done (optional): called after f has seen the elements of
+// a pack, before its stores, as done(packs, first, count): `first` list 0's pack as read, `count`
+// the elements of the pack in use (the first `count`: a whole pack, or 1 on the element-wise path).
+struct NoPackEnd {
+  template <typename... T>
+  __device__ void operator()(T&&...) const {}
+};
+
+template <int kN, int kLists, unsigned kWritten, unsigned kLoaded, unsigned kMaybe, typename scalar_t, typename F,
+          typename G = NoPackEnd>
+__device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], int n, int tid, F&& f,
+                                                 G&& done = G{}) {
+  static_assert((kLoaded & kMaybe) == 0, "a list is loaded or maybe loaded");
   using P = Pack<scalar_t>;
   const auto read = [&](int l) {
     return ((kLoaded >> l) & 1u) != 0 || (((kMaybe >> l) & 1u) != 0 && x[l] != nullptr);
   };
+  const auto written = [&](int l) {
+    return ((kWritten >> l) & 1u) != 0 && (((kMaybe >> l) & 1u) == 0 || x[l] != nullptr);
+  };
   bool aligned = true;
 #pragma unroll
   for (int l = 0; l < kLists; ++l) {
-    if (((kLoaded | kMaybe) >> l) & 1u) aligned = aligned && reinterpret_cast<uintptr_t>(x[l]) % sizeof(P) == 0;
+    if (((kLoaded | kMaybe | kWritten) >> l) & 1u) {
+      aligned = aligned && reinterpret_cast<uintptr_t>(x[l]) % sizeof(P) == 0;
+    }
   }
   int i = 0;
   if (aligned) {
@@ -341,9 +357,14 @@ __device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], i
       P v[kLists];
 #pragma unroll
       for (int l = 0; l < kLists; ++l) v[l] = read(l) ? reinterpret_cast<const P*>(x[l])[j] : P{};
+      const P first = v[0];
 #pragma unroll
       for (int k = 0; k < P::kSize; ++k) f(v, k);
-      if constexpr (kWriteFirst) reinterpret_cast<P*>(x[0])[j] = v[0];
+      done(v, first, int{P::kSize});  // (a value: the hook may take it by reference)
+#pragma unroll
+      for (int l = 0; l < kLists; ++l) {
+        if (written(l)) reinterpret_cast<P*>(x[l])[j] = v[l];
+      }
     }
     i = packs * P::kSize;
   }
@@ -354,8 +375,13 @@ __device__ inline void for_each_element_of_lists(scalar_t* const (&x)[kLists], i
       v[l] = P{};
       if (read(l)) v[l].v[0] = x[l][j];
     }
+    const P first = v[0];
     f(v, 0);
-    if constexpr (kWriteFirst) x[0][j] = v[0].v[0];
+    done(v, first, 1);
+#pragma unroll
+    for (int l = 0; l < kLists; ++l) {
+      if (written(l)) x[l][j] = v[l].v[0];
+    }
   }
 }
 

@@ -1,11 +1,10 @@
 // The ATen side of the CUDA ops (input checks, allocation, device guard, stream) around the
-// launches of stats_ops.cuh, clip_ops.cuh, hist_ops.cuh and update_ops.cuh, written once for two devices: the GPU
-// (the .cu files) and the CUDA emulation that runs the same kernels on CPU tensors in the tests
-// (tests/cuda_emu). A Device
-// supplies:
+// launches of stats_ops.cuh, clip_ops.cuh, hist_ops.cuh, update_ops.cuh and step_ops.cuh, written
+// once for two devices: the GPU (the .cu files) and the CUDA emulation that runs the same kernels
+// on CPU tensors in the tests (tests/cuda_emu). A Device supplies:
 //   kType            the tensors' device type
 //   kStatsOp, kMomentsOp, kScaleOp, kUnitStatsOp, kUnitScaleOp, kClampOp, kHistOp,
-//   kUpdateStatsOp, kUpdateClipOp
+//   kUpdateStatsOp, kUpdateClipOp, kStepOp
 //                    the ops' names, for error messages
 //   Guard            constructed from the tensors' device (the GPU's CUDAGuard)
 //   stream()         the stream to launch on
@@ -26,6 +25,7 @@
 #include "clip_ops.cuh"
 #include "hist_ops.cuh"
 #include "stats_ops.cuh"
+#include "step_ops.cuh"
 #include "update_ops.cuh"
 
 namespace gradfuse::cuda {
@@ -261,6 +261,57 @@ void multi_tensor_update_clip_on(at::TensorList params, at::TensorList grads, at
     launch_update_clip<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule),
                                  hyper.template data_ptr<double>(), coefs_dense.template data_ptr<double>(), stream);
   });
+}
+
+// ---- The fused optimizer step (step_ops.cuh)
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_on(
+    at::TensorList params, at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
+    at::TensorList moment2_max, const at::Tensor& coefs, int64_t rule, int64_t torch_threads,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& skip,
+    const std::optional<at::Tensor>& update_coefs, bool stats, bool write) {
+  const char* op = Device::kStepOp;
+  check_step_args(params, grads, moment1, moment2, moment2_max, coefs, rule, grad_scale, skip, update_coefs, op);
+  // torch's scalar tails are those of its CPU kernels' thread split; the kernels here have none
+  TORCH_CHECK(torch_threads == 0, op, ": torch_threads must be 0 for tensors on ", coefs.device(),
+              " (the scalar tails it reproduces are those of torch's CPU kernels), got ", torch_threads);
+  const auto n = static_cast<int64_t>(params.size());
+  const typename Device::Guard guard(coefs.device());
+  const auto opts = coefs.options();
+  const auto no_rows = [&] {
+    return std::tuple<at::Tensor, at::Tensor>{at::zeros({0, kNumUpdateFloatStats}, opts.dtype(at::kDouble)),
+                                              at::zeros({0, kNumUpdateCountStats}, opts.dtype(at::kLong))};
+  };
+  if (n == 0 || (!write && !stats)) return no_rows();
+  const UpdateGroup group(params, grads, moment1, moment2, moment2_max);
+  const auto dtype = params[0].scalar_type();
+  at::Tensor out_f, out_c, part_f, part_c;
+  std::tie(out_f, out_c) = no_rows();
+  if (stats) {
+    const int64_t part_rows = std::max<int64_t>(group.plan.num_chunks(), 1);
+    part_f = Device::empty({part_rows, kNumUpdateFloatStats}, opts.dtype(partial_dtype(dtype)));
+    part_c = Device::empty({part_rows, kNumUpdateCountStats}, opts.dtype(at::kLong));
+    out_f = Device::empty({n, kNumUpdateFloatStats}, opts.dtype(at::kDouble));
+    out_c = Device::empty({n, kNumUpdateCountStats}, opts.dtype(at::kLong));
+  }
+  // The scale and the flag as float64 on the device (no copy when they are already), read by the
+  // kernels: the host never reads them.
+  const at::Tensor scale = grad_scale.has_value() ? grad_scale->reshape({}).to(at::kDouble) : at::Tensor();
+  const at::Tensor flag = skip.has_value() ? skip->reshape({}).to(at::kDouble) : at::Tensor();
+  const at::Tensor ucoefs = update_coefs.has_value() ? update_coefs->contiguous() : at::Tensor();
+  const auto pointer = [](const at::Tensor& t) { return t.defined() ? t.template const_data_ptr<double>() : nullptr; };
+  const auto stream = Device::stream();
+  dispatch_float(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    launch_optim_step<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule), coefs.const_data_ptr<double>(),
+                                pointer(scale), pointer(flag), pointer(ucoefs), write,
+                                stats ? static_cast<acc_of<scalar_t>*>(part_f.data_ptr()) : nullptr,
+                                stats ? part_c.template data_ptr<int64_t>() : nullptr,
+                                stats ? out_f.template data_ptr<double>() : nullptr,
+                                stats ? out_c.template data_ptr<int64_t>() : nullptr, stream);
+  });
+  return {out_f, out_c};
 }
 
 }  // namespace gradfuse::cuda

@@ -1,7 +1,8 @@
 // CUDA implementations of the gradfuse ops: the ATen glue of ops.h around the kernels of
-// stats_ops.cuh, clip_ops.cuh, hist_ops.cuh and update_ops.cuh, on the GPU's Device (gpu_device.h). All of these
-// also run on the CPU, on CPU tensors, in the emulated tests (tests/cuda_emu). One translation unit, so that every kernel is
-// instantiated once. Nothing here waits for the host.
+// stats_ops.cuh, clip_ops.cuh, hist_ops.cuh, update_ops.cuh and step_ops.cuh, on the GPU's Device
+// (gpu_device.h). All of these also run on the CPU, on CPU tensors, in the emulated tests
+// (tests/cuda_emu). One translation unit, so that every kernel is instantiated once. Nothing here
+// waits for the host.
 #include <torch/library.h>
 
 #include "gpu_device.h"
@@ -19,6 +20,7 @@ TORCH_LIBRARY_IMPL(gradfuse, CUDA, m) {
   m.impl("multi_tensor_exponent_histogram", &multi_tensor_exponent_histogram_on<Gpu>);
   m.impl("multi_tensor_update_stats", &multi_tensor_update_stats_on<Gpu>);
   m.impl("multi_tensor_update_clip_", &multi_tensor_update_clip_on<Gpu>);
+  m.impl("multi_tensor_optim_step_", &multi_tensor_optim_step_on<Gpu>);
 }
 
 }  // namespace gradfuse::cuda

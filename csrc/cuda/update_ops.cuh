@@ -114,7 +114,7 @@ struct UpdateStatsOp {
   __device__ void stream_pass(const UpdateParams<acc_t>& h, scalar_t* const (&x)[kUpdateLists], int n,
                               UpdateElementAcc<acc_t>& e) const {
     const bool has_buffer = x[kMoment1List] != nullptr && ((kLoaded | kMaybe) & list_bit(kMoment1List)) != 0;
-    for_each_element_of_lists<kThreads, kUpdateLists, false, kLoaded, kMaybe, scalar_t>(
+    for_each_element_of_lists<kThreads, kUpdateLists, 0u, kLoaded, kMaybe, scalar_t>(
         x, n, static_cast<int>(threadIdx.x), [&](const P (&p)[kUpdateLists], int k) {
           const acc_t w = element(p[kParamsList], k);
           const UpdateElement<acc_t> u =
@@ -180,7 +180,7 @@ struct UpdateClipOp {
   template <unsigned kLoaded, unsigned kMaybe, bool kMayTakeFirstMax>
   __device__ void stream(const UpdateParams<acc_t>& h, acc_t c, scalar_t* const (&x)[kClipLists], int n,
                          bool first_max) const {
-    for_each_element_of_lists<kThreads, kClipLists, true, kLoaded, kMaybe, scalar_t>(
+    for_each_element_of_lists<kThreads, kClipLists, list_bit(kW), kLoaded, kMaybe, scalar_t>(
         x, n, static_cast<int>(threadIdx.x), [&](P (&p)[kClipLists], int k) {
           acc_t v_after = element(p[kV], k);
           if constexpr (kMayTakeFirstMax) v_after = first_max ? first_amsgrad_max(v_after) : v_after;

@@ -35,7 +35,10 @@ from gradfuse.ops.reference import KERNEL_DTYPES, stack_columns
 # float64. The hyper table stays on the device: every per-tensor constant is a 0-dim tensor and
 # every choice a flag makes is a torch.where, so nothing waits for the host.
 
-_DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+# ATen's names (c10::ScalarType), as describe_tensor prints them
+_DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+                torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

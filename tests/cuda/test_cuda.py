@@ -219,3 +219,156 @@ def test_update_ops_match_the_cpu_backend():
     cuda = ops.multi_tensor_update_stats(*[[t.cuda() for t in lst] for lst in lists], hyper.cuda(), 1)
     torch.testing.assert_close(cuda[0].cpu(), cpu[0], rtol=1e-5, atol=0)
     assert torch.equal(cuda[1].cpu(), cpu[1])
+
+
+# ---- The fused optimizer step (csrc/cuda/step_ops.cuh) against the CPU kernels
+
+
+def _step_lists(config, dtype, sizes, seed=0):
+    """CPU lists (params, grads, moment1, moment2, moment2_max), the table and the rule of a config:
+    "sgd_first" (the buffer written on the first step), "sgd_nesterov", "adam_l2", "adamw_amsgrad"."""
+    from gradfuse.ops.layout import RULE_ADAM, RULE_SGD
+    from gradfuse.optim.table import adam_row, sgd_row
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(n, scale=1.0):
+        return (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    params, grads = [randn(n) for n in sizes], [randn(n) for n in sizes]
+    empty = [torch.empty(0, dtype=dtype) for _ in sizes]
+    if config.startswith("sgd"):
+        first = config == "sgd_first"
+        row = sgd_row(dict(lr=0.05, momentum=0.9, dampening=0.1 if first else 0.0, weight_decay=1e-2,
+                           nesterov=not first, maximize=False), first)
+        buffers = [torch.full((n,), math.nan, dtype=dtype) if first else randn(n, 0.1) for n in sizes]
+        lists, rule = [params, grads, buffers, empty, empty], RULE_SGD
+    else:
+        amsgrad = config == "adamw_amsgrad"
+        group = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1 if amsgrad else 1e-2, amsgrad=amsgrad,
+                     maximize=config == "adam_l2")
+        row = adam_row(group, 5.0, decoupled=amsgrad)
+        v = [randn(n, 0.1).square() for n in sizes]
+        lists = [params, grads, [randn(n, 0.1) for n in sizes], v,
+                 [x * 1.5 for x in v] if amsgrad else empty]
+        rule = RULE_ADAM
+    coefs = torch.tensor([row] * len(sizes), dtype=torch.float64)
+    coefs[:, 3 if config.startswith("sgd") else 9] *= 1 + torch.arange(len(sizes)) % 3  # the lr per tensor
+    return lists, coefs, rule
+
+
+def _same_bits(a, b):
+    nan = a.isnan()
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(nan, b.isnan()) and torch.equal(a.reshape(-1).view(bits)[~nan.reshape(-1)],
+                                                       b.reshape(-1).view(bits)[~nan.reshape(-1)])
+
+
+@pytest.fixture
+def correctly_rounded_cpu_sqrt():
+    """The CPU kernels with the square root the CUDA kernels take (not MKL's)."""
+    library.extension.set_step_torch_sqrt(False)
+    yield
+    library.extension.set_step_torch_sqrt(True)
+
+
+@pytest.mark.parametrize("options", ["plain", "scale_coefs"])
+@pytest.mark.parametrize("config", ["sgd_first", "sgd_nesterov", "adam_l2", "adamw_amsgrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_optim_step_equals_the_cpu_kernels_bit_for_bit(correctly_rounded_cpu_sqrt, dtype, config, options):
+    sizes = [3 * CHUNK + 5, 1000, 0, 7, CHUNK]
+    lists, coefs, rule = _step_lists(config, dtype, sizes)
+    lists[1][0][[5, CHUNK + 3]] = math.nan  # a NaN gradient, counted in the rows
+    kwargs = dict(stats=True)
+    if options == "scale_coefs":
+        kwargs.update(grad_scale=torch.tensor(0.5), update_coefs=torch.tensor([0.5, 1.0, 0.3, 2.0, 0.75],
+                                                                              dtype=torch.float64))
+    cpu = [[t.clone() for t in lst] for lst in lists]
+    f, c = torch.ops.gradfuse.multi_tensor_optim_step_(*cpu, coefs, rule, 0, **kwargs)
+    gpu = [[t.cuda() for t in lst] for lst in lists]
+    gf, gc = torch.ops.gradfuse.multi_tensor_optim_step_(*gpu, coefs.cuda(), rule, 0,
+                                                         **{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                                                            for k, v in kwargs.items()})
+    for name, a, b in zip(("params", "grads", "moment1", "moment2", "moment2_max"), gpu, cpu):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert _same_bits(x.cpu(), y), f"{name}[{i}]: {int((x.cpu() != y).sum())} differ"
+    assert sum(int((x != y).sum()) for x, y in zip(cpu[0], lists[0])) > 0  # the step moved weights
+    assert gf.device.type == "cuda" and torch.equal(gc.cpu(), c) and int(c[0, 0]) > 0
+    eps = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+    torch.testing.assert_close(gf.cpu(), f, rtol=8600 * eps, atol=0, equal_nan=True)  # summation orders
+
+
+def test_optim_step_reads_its_flags_on_the_device_without_a_host_sync(correctly_rounded_cpu_sqrt):
+    """The table, the scale, the skip flag and the update coefficients stay on the GPU: no host
+    sync; a nonzero flag writes nothing, and the same call after the flag is cleared on the device
+    writes the step."""
+    lists, coefs, rule = _step_lists("adamw_amsgrad", torch.bfloat16, [3 * CHUNK + 5, 999, 0])
+    gpu = [[t.cuda() for t in lst] for lst in lists]
+    before = [[t.clone() for t in lst] for lst in gpu]
+    coefs, scale = coefs.cuda(), torch.tensor(0.25, device="cuda")
+    skip, ucoefs = torch.tensor(1.0, device="cuda"), torch.tensor([0.5, 1.0, 1.0], dtype=torch.float64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        skipped = torch.ops.gradfuse.multi_tensor_optim_step_(*gpu, coefs, rule, 0, grad_scale=scale, skip=skip,
+                                                              update_coefs=ucoefs, stats=True)
+        after_skipped = [[t.clone() for t in lst] for lst in gpu]
+        skip.zero_()
+        taken = torch.ops.gradfuse.multi_tensor_optim_step_(*gpu, coefs, rule, 0, grad_scale=scale, skip=skip,
+                                                            update_coefs=ucoefs, stats=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for x, y in zip(after_skipped, before):
+        assert all(_same_bits(a.cpu(), b.cpu()) for a, b in zip(x, y))
+    assert not torch.equal(gpu[0][0], before[0][0])
+    # the rows of the step skipped are those of the step then taken, and the CPU kernels'
+    torch.testing.assert_close(skipped[0], taken[0], rtol=0, atol=0)
+    cpu = [[t.clone() for t in lst] for lst in lists]
+    f, c = torch.ops.gradfuse.multi_tensor_optim_step_(*cpu, coefs.cpu(), rule, 0, grad_scale=scale.cpu(),
+                                                       update_coefs=ucoefs.cpu(), stats=True)
+    assert torch.equal(taken[1].cpu(), c)
+    for a, b in zip(gpu, cpu):
+        assert all(_same_bits(x.cpu(), y) for x, y in zip(a, b))
+
+
+def test_optim_step_in_a_cuda_graph_follows_the_skip_flag():
+    lists, coefs, rule = _step_lists("sgd_nesterov", torch.float32, [CHUNK + 3, 5000])
+    gpu = [[t.cuda() for t in lst] for lst in lists]
+    coefs, skip = coefs.cuda(), torch.tensor(0.0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the graph, as capture requires
+        torch.ops.gradfuse.multi_tensor_optim_step_(*gpu, coefs, rule, 0, skip=skip, stats=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f, _ = torch.ops.gradfuse.multi_tensor_optim_step_(*gpu, coefs, rule, 0, skip=skip, stats=True)
+    for flag in (1.0, 0.0, 1.0):
+        skip.fill_(flag)
+        before = gpu[0][0].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gpu[0][0], before) == (flag != 0.0)
+        assert float(f[0, 0]) > 0  # the rows of the step, taken or not
+
+
+def test_fused_optimizer_on_cuda_equals_its_cpu_steps_in_float32(correctly_rounded_cpu_sqrt):
+    """gradfuse.optim.AdamW and SGD on the GPU and on the CPU, three steps from no state: the same
+    bits (float32 has no torch scalar tails, so the CPU's thread count does not enter)."""
+    import gradfuse.optim
+
+    for name, kwargs in (("AdamW", dict(lr=1e-3, weight_decay=0.05, amsgrad=True)),
+                         ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2))):
+        g = torch.Generator().manual_seed(1)
+        cpu = [torch.randn(n, generator=g).requires_grad_() for n in (3 * CHUNK + 5, 77, 1)]
+        gpu = [p.detach().cuda().requires_grad_() for p in cpu]
+        opts = [getattr(gradfuse.optim, name)(ps, **kwargs) for ps in (cpu, gpu)]
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=g) for p in cpu]
+            for p, q, gr in zip(cpu, gpu, grads):
+                p.grad, q.grad = gr.clone(), gr.cuda()
+            for opt in opts:
+                opt.step()
+            for p, q in zip(cpu, gpu):
+                assert _same_bits(q.detach().cpu(), p.detach()), (name, step)

@@ -256,3 +256,80 @@ def test_built_update_kernels_within_instruction_budget(built_sass):
     assert {("update_stats", "sgd", "2r"), ("update_stats", "sgd", "3r"), ("update_stats", "adam", "2r"),
             ("update_stats", "adam", "4r"), ("update_stats", "adam", "5r"), ("update_clip", "adam", "3r1w")} <= cases
     assert not sass_budget.update_over_budget(kernels), report
+
+
+# ---- The fused optimizer step (csrc/cuda/step_ops.cuh)
+STEP_BF16_ADAM_STATS = ("_ZN8gradfuse4cuda19multi_tensor_kernelINS0_6StepOpIN3c108BFloat16ELNS_10UpdateRuleE1ELb1EEE"
+                        "NS0_11LaunchTableILi64ELb0ELi5EEEEEvT0_T_")
+STEP_FP32_SGD = ("_ZN8gradfuse4cuda19multi_tensor_kernelINS0_6StepOpIfLNS_10UpdateRuleE0ELb0EEE"
+                 "NS0_11LaunchTableILi512ELb0ELi5EEEEEvT0_T_")
+
+
+def test_step_loop_counts_one_trip_without_its_slow_paths():
+    # One trip: 4 loads; an if / else on a flag (3 or 5 instructions: the longer arm counts); a
+    # division whose slow path (a CALL, 3 instructions) is branched around; 3 stores; the branch back.
+    body = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]", "LDG.E.128 R16, desc[UR4][R14.64]",
+            "LDG.E.128 R20, desc[UR4][R24.64]",
+            "@!P3 BRA @{else_arm}", "FFMA R4, R8, R9, R4", "FFMA R4, R8, R9, R4", "BRA @{join}",
+            "FMUL R4, R8, R9", "FMUL R4, R4, R9", "FMUL R4, R4, R9", "FMUL R4, R4, R9", "FMUL R4, R4, R9",
+            "BSSY B2, @{after}", "MUFU.RCP R9, R8", "FCHK P5, R4, R8", "@!P5 BRA @{fast}",
+            "MOV R2, R8", "MOV R28, 0x40", "CALL.REL.NOINC @60", "FFMA R10, R4, R9, RZ", "BSYNC B2",
+            "STG.E.128 desc[UR4][R2.64], R4", "STG.E.128 desc[UR4][R12.64], R8", "STG.E.128 desc[UR4][R14.64], R16",
+            "@P0 BRA @0"]
+    marks = {"else_arm": 8, "join": 13, "after": 21, "fast": 20}
+    body = [ins.format(**marks) for ins in body]
+    tail = ["EXIT"] + ["NOP"] * (60 - len(body) - 1) + ["RET.REL.NODEC R28 0x0"]
+    (k,) = sass_budget.step_kernel_loops(fake_sass(STEP_BF16_ADAM_STATS, "\n".join(body + tail)))
+    assert (k.dtype, k.rule, k.stats, k.table, k.lists, k.elements) == ("bf16", "adam", True, "64", "4r3w", 8)
+    # 26 instructions; a trip issues the 5-instruction arm and not the 3 of the slow path, nor the
+    # other arm's 3 (its FFMAs and the branch over the else arm): 26 - 3 - 3 = 20.
+    assert k.loop.instructions == 26 and k.issued == 20 and k.per_element == 20 / 8
+    assert k.bytes_per_element == 14 and k.bound == pytest.approx(14 * 33.5 / 4.8)
+    # bf16 Adam with its statistics is held to the floor of its arithmetic, above its bound
+    assert k.budget == sass_budget.STEP_ARITHMETIC["bf16", "adam", "4r3w", True] > k.bound
+    assert not sass_budget.step_over_budget([k])
+    with pytest.raises(ValueError, match="no loop of 16-byte loads"):
+        sass_budget.step_kernel_loops(fake_sass(STEP_BF16_ADAM_STATS, "FFMA R4, R8, R9, R4\n@P0 BRA @0\nEXIT"))
+
+
+def test_step_over_budget_fails_the_script(tmp_path, monkeypatch, capsys):
+    loop = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.128 R8, desc[UR4][R12.64]"]
+    loop += ["FFMA R4, R8, R9, R4"] * 40 + ["STG.E.128 desc[UR4][R2.64], R4", "@P0 BRA @0", "EXIT"]
+    (k,) = sass_budget.step_kernel_loops(fake_sass(STEP_FP32_SGD, "\n".join(loop)))
+    # 44 instructions per 4 float32 elements, 12 bytes each: within 12 x ~7 x 0.85 (71); no floor
+    assert (k.rule, k.stats, k.lists, k.per_element) == ("sgd", False, "2r1w", 44 / 4)
+    assert k.budget == pytest.approx(12 * 33.5 / 4.8 * sass_budget.STEP_MARGIN)
+    assert not sass_budget.step_over_budget([k])
+    loop[2:42] = ["FFMA R4, R8, R9, R4"] * 300
+    sass = fake_sass(STEP_FP32_SGD, "\n".join(loop))
+    (k,) = sass_budget.step_kernel_loops(sass)
+    assert sass_budget.step_over_budget([k]) == [k]
+    assert "OVER BUDGET" in sass_budget.step_report([k], "sm_90")
+    # the script, on a binary holding a stats kernel within budget and this step kernel
+    stats_ok = fake_sass(BF16_NONE, "LDG.E.128 R4, desc[UR4][R2.64]\nFFMA R8, R4, R4, R8\n@P0 BRA @0\nEXIT")
+    monkeypatch.setattr(sass_budget, "disassemble", lambda binary, arch: stats_ok + sass)
+    assert sass_budget.main([str(tmp_path / "fake.so")]) == 1
+    assert "step fp32 sgd 2r1w" in capsys.readouterr().err
+
+
+def test_built_step_kernels_within_instruction_budget(built_sass):
+    import torch
+    if not hasattr(torch.ops.gradfuse, "multi_tensor_optim_step_"):
+        pytest.skip("gradfuse._C built without the fused optimizer step")
+    kernels = sass_budget.step_kernel_loops(built_sass)
+    report = sass_budget.step_report(kernels, "sm_90")
+    print(report)
+    assert {(k.dtype, k.rule, k.stats, k.table) for k in kernels} == {
+        (d, r, s, t) for d in ("bf16", "fp16", "fp32", "fp64") for r in ("sgd", "adam") for s in (False, True)
+        for t in ("64", "512")}, report
+    # Every case of the lists read and written has its loop: SGD w, g -> w; w, g -> w, buf (first
+    # step); w, g, buf -> w, buf; Adam w, g, m, v -> w, m, v; and v_max; without the stores where
+    # only the statistics are taken.
+    cases = {(k.dtype, k.rule, k.stats, k.lists) for k in kernels}
+    for d in ("bf16", "fp16", "fp32", "fp64"):
+        for stats in (False, True):
+            assert {(d, "sgd", stats, "2r1w"), (d, "sgd", stats, "2r2w"), (d, "sgd", stats, "3r2w"),
+                    (d, "adam", stats, "4r3w"), (d, "adam", stats, "5r4w")} <= cases, report
+        assert {(d, "sgd", True, "2r"), (d, "sgd", True, "3r"), (d, "adam", True, "4r"), (d, "adam", True, "5r")
+                } <= cases, report
+    assert not sass_budget.step_over_budget(kernels), report

@@ -2,7 +2,10 @@
 // worker threads (CUDA_EMU_THREADS, default one per core); a worker runs one block at a time, each
 // thread of the block a fiber on its own stack, resuming ready fibers in thread order until every
 // thread has returned. A fiber gives up the CPU only when it waits at __syncthreads or in a warp
-// operation that not all of its lanes have reached yet.
+// operation that not all of its lanes have reached yet. CUDA_EMU_SCHEDULE=reverse takes the blocks
+// from the last one down and resumes the fibers from the last thread down: a kernel whose result
+// depends on the order of blocks, or on which thread of a block runs first between two barriers,
+// gives another result.
 #include "cuda_emu.h"
 
 #include <cxxabi.h>
@@ -331,6 +334,15 @@ std::string describe_waits(const Block& b) {
   return out;
 }
 
+// CUDA_EMU_SCHEDULE=reverse: blocks and the threads of a block in reverse order.
+bool reversed_schedule() {
+  static const bool reversed = [] {
+    const char* env = std::getenv("CUDA_EMU_SCHEDULE");
+    return env != nullptr && std::string(env) == "reverse";
+  }();
+  return reversed;
+}
+
 void run_block(Block& b) {
   for (size_t i = 0; i < b.fibers.size(); ++i) {
     b.fibers[i].state = State::kReady;
@@ -343,7 +355,9 @@ void run_block(Block& b) {
   b.at_barrier = 0;
   while (b.alive > 0) {
     bool progressed = false;
-    for (int i = 0; i < n; ++i) {
+    const bool reversed = reversed_schedule();
+    for (int j = 0; j < n; ++j) {
+      const int i = reversed ? n - 1 - j : j;
       if (b.fibers[i].state != State::kReady) continue;
       resume(b, i);
       progressed = true;
@@ -425,6 +439,7 @@ void run_blocks(Launch& launch) {
     blockDim = block;
     t_block = &b;
     while (!launch.failed && (i = launch.next++) < launch.num_blocks) {
+      if (reversed_schedule()) i = launch.num_blocks - 1 - i;
       blockIdx = {unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
       run_block(b);
       if (!b.error.empty()) {

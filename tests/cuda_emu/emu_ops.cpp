@@ -32,6 +32,7 @@ struct Emulated {
   static constexpr const char* kHistOp = "gradfuse_emu.multi_tensor_exponent_histogram";
   static constexpr const char* kUpdateStatsOp = "gradfuse_emu.multi_tensor_update_stats";
   static constexpr const char* kUpdateClipOp = "gradfuse_emu.multi_tensor_update_clip_";
+  static constexpr const char* kStepOp = "gradfuse_emu.multi_tensor_optim_step_";
   struct Guard {
     explicit Guard(c10::Device) {}
   };
@@ -77,6 +78,13 @@ __global__ void atomics(float* f, unsigned long long* u) {
   atomicAdd(u, 1ull);
 }
 
+// The order in which the threads of the grid run: each takes the next number as it starts (with one
+// worker thread, CUDA_EMU_THREADS=1: thread order, block after block; reversed under
+// CUDA_EMU_SCHEDULE=reverse).
+__global__ void arrival_order(int64_t* out, unsigned long long* counter) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = static_cast<int64_t>(atomicAdd(counter, 1ull));
+}
+
 // Planted bugs: each must make the launch throw, naming the block.
 __global__ void divergent_shuffle() {
   if (threadIdx.x % 32 < 16) __shfl_down_sync(0xffffffffu, 1, 1);
@@ -105,6 +113,13 @@ at::Tensor run(const std::string& name) {
     auto u = at::zeros({1}, at::kLong);
     cuda_emu::launch(atomics, 64, 256, f.data_ptr<float>(), reinterpret_cast<unsigned long long*>(u.data_ptr<int64_t>()));
     return at::cat({f.to(at::kLong), u});
+  }
+  if (name == "arrival_order") {
+    auto out = at::full({3 * 64}, int64_t{-1}, at::kLong);
+    auto counter = at::zeros({1}, at::kLong);
+    cuda_emu::launch(arrival_order, 3, 64, out.data_ptr<int64_t>(),
+                     reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>()));
+    return out;
   }
   if (name == "divergent_shuffle") cuda_emu::launch(divergent_shuffle, 3, 64);
   else if (name == "barrier_in_divergent_code") cuda_emu::launch(barrier_in_divergent_code, 2, 64);
@@ -138,6 +153,11 @@ TORCH_LIBRARY(gradfuse_emu, m) {
         "Tensor[] moment2_max, Tensor hyper, int rule) -> (Tensor, Tensor)");
   m.def("multi_tensor_update_clip_(Tensor(a!)[] params, Tensor[] grads, Tensor[] moment1, Tensor[] moment2, "
         "Tensor[] moment2_max, Tensor hyper, Tensor coefs, int rule) -> ()");
+  // The fused optimizer step, on the same tables.
+  m.def("multi_tensor_optim_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] moment1, "
+        "Tensor(c!)[] moment2, Tensor(d!)[] moment2_max, Tensor coefs, int rule, int torch_threads, "
+        "Tensor? grad_scale=None, Tensor? skip=None, Tensor? update_coefs=None, bool stats=False, "
+        "bool write=True) -> (Tensor, Tensor)");
   m.def("list_table_sizes() -> int[]", []() -> std::vector<int64_t> {
     return {gradfuse::cuda::kSmallTableTensors, gradfuse::cuda::kMaxListTensorsPerLaunch};
   });
@@ -154,4 +174,5 @@ TORCH_LIBRARY_IMPL(gradfuse_emu, CPU, m) {
   m.impl("multi_tensor_exponent_histogram", &gradfuse::cuda::multi_tensor_exponent_histogram_on<Emulated>);
   m.impl("multi_tensor_update_stats", &gradfuse::cuda::multi_tensor_update_stats_on<Emulated>);
   m.impl("multi_tensor_update_clip_", &gradfuse::cuda::multi_tensor_update_clip_on<Emulated>);
+  m.impl("multi_tensor_optim_step_", &gradfuse::cuda::multi_tensor_optim_step_on<Emulated>);
 }

@@ -96,13 +96,14 @@ def step_op_args(tensors, device):
                                maximize=False), False))
     half = torch.tensor(0.5, device=device)
     coefs = torch.linspace(0.25, 1.5, n, dtype=torch.float64, device=device)
+    threads = 2 if torch.device(device).type == "cpu" else 0  # torch's scalar tails: its CPU kernels' only
     return [([x.clone() for x in like], like, [x.clone() for x in like], [x.clone() for x in pos],
-             [x * 2 for x in pos], adamw, 1, 2, half, None, coefs, True, True),
+             [x * 2 for x in pos], adamw, 1, threads, half, None, coefs, True, True),
             ([x.clone() for x in like], like, [x.clone() for x in like], [x.clone() for x in pos],
              [x * 2 for x in pos], adamw, 1, 0, None, torch.tensor(True, device=device), None, True, True),
             ([t.clone() for t in tensors] if not finite else [x.clone() for x in like], like,
-             absent if not finite else [x.clone() for x in like], absent, absent, plain if not finite else sgd, 0, 2,
-             None, None, None, False, True)]
+             absent if not finite else [x.clone() for x in like], absent, absent, plain if not finite else sgd, 0,
+             threads, None, None, None, False, True)]
 
 
 def update_op_args(name, tensors, device):
