@@ -11,13 +11,25 @@ them would wait for the device.
 
 Under a dispatch mode the C++ list-walk fast paths of gradfuse step aside (the functional path
 runs), so what is checked is the path every op of which the mode sees: ``guard.seen`` holds the
-ops, and a test should check that gradfuse's own ops are among them."""
+ops, and a test should check that gradfuse's own ops are among them.
+
+With ``host_copies=True`` a read of host memory that a step copied without blocking (a
+``gradfuse.core.host_copy.HostCopy``, or any tensor computed from such copies and Python values
+alone) is counted
+in ``copy_reads`` instead: on a GPU it waits for nothing. Everything else stays a read of the
+step's tensors."""
+import weakref
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from gradfuse.core.host_copy import is_host_copy
 
 aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 UNDISPATCHED_READS = ("tolist", "numpy")
+FROM_PYTHON = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(python values)
 
 
 class HostSync(AssertionError):
@@ -25,23 +37,43 @@ class HostSync(AssertionError):
 
 
 class SyncGuard(TorchDispatchMode):
-    def __init__(self, allowed: int | None = 0):
+    def __init__(self, allowed: int | None = 0, host_copies: bool = False):
         super().__init__()
         self.allowed = allowed
+        self.host_copies = host_copies
+        self.copy_reads: list[str] = []
+        self._derived: dict[int, weakref.ref] = {}  # id -> tensor computed from host copies alone
         self.reads: list[str] = []
         self.seen: list[str] = []
         self._patched = []
 
-    def _read(self, what: str) -> None:
+    def _host(self, t) -> bool:
+        ref = self._derived.get(id(t))
+        return is_host_copy(t) or (ref is not None and ref() is t)
+
+    def _read(self, what: str, t=None) -> None:
+        if self.host_copies and isinstance(t, torch.Tensor) and self._host(t):
+            self.copy_reads.append(what)
+            return
         self.reads.append(what)
         if self.allowed is not None and len(self.reads) > self.allowed:
             raise HostSync(f"host read: {what} (reads so far: {self.reads})")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen.append(str(func.overloadpacket))
+        inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if func in SYNC_OPS:
-            self._read(str(func))
-        return func(*args, **(kwargs or {}))
+            self._read(str(func), inputs[0] if inputs else None)
+        out = func(*args, **(kwargs or {}))
+        if self.host_copies:  # computed from host copies alone (or Python values): host memory too
+            host = func in FROM_PYTHON or all(self._host(a) for a in inputs)
+            for o in tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    if host:
+                        self._derived[id(o)] = weakref.ref(o)
+                    else:
+                        self._derived.pop(id(o), None)
+        return out
 
     def __enter__(self):
         for name in UNDISPATCHED_READS:
@@ -49,7 +81,7 @@ class SyncGuard(TorchDispatchMode):
             own = name in torch.Tensor.__dict__
 
             def read(t, *a, _real=real, _name=name, **k):
-                self._read(f"Tensor.{_name}")
+                self._read(f"Tensor.{_name}", t)
                 return _real(t, *a, **k)
             setattr(torch.Tensor, name, read)
             self._patched.append((name, real, own))

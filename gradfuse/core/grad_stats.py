@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from gradfuse.core.distributed import as_dtensor
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.core.layers import columns_to_host, layer_of
 from gradfuse.core.stats_table import html_table, text_table
 from gradfuse.ops.layout import INF, MAXABS, NAN, NUMEL, POWSUM, SUM, SUMSQ, ZERO
@@ -145,6 +146,7 @@ class GradStats:
         # rank's shards, reduced over the mesh when first read (a collective on every rank).
         self._pending_rows = pending_rows
         self._host_cache: dict | None = None
+        self._host_copy = None  # (HostCopy, layout) once start_host_copy ran
         self._derived: dict = {}  # statistics computed from the rows, once each (_memo)
 
     def _memo(self, key: str, compute):
@@ -289,43 +291,76 @@ class GradStats:
         return self.floats[:, POWSUM].pow(1.0 / p)
 
     # Host side: one transfer, cached.
+    def _pack(self) -> tuple[list[torch.Tensor], list[str], list[str], int]:
+        """What ``_host`` reads, as device tensors: the packed float rows and scalars (and the
+        int64 count rows when the floats are not float64), the names of the packed columns, the
+        count names, and the number of per-row extras."""
+        dev, fdt = self.floats.device, self.floats.dtype
+        # float64 holds every count exactly: one transfer. In float32 (a device without
+        # float64) the counts go in a second, int64 transfer.
+        exact = fdt == torch.float64
+        scalars = [self.plain_total_norm.to(dev, fdt).reshape(1), self.nonfinite.to(dev, fdt).reshape(1)]
+        per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
+        if self.clip_coef is not None:  # per row: the smallest coefficient as the summary
+            coef = ((self.clip_coef.amin() if len(self) else self.clip_coef.new_ones(())) if per_row
+                    else self.clip_coef)
+            scalars.append(coef.to(dev, fdt).reshape(1))
+        extra = [self.clip_coef] if per_row else []
+        extra += [self.clamped] if self.clamped is not None and exact else []
+        scalars += [x.to(dev, fdt).reshape(-1) for x in extra]
+        floats = [st.name for st in STATISTICS if not st.count]
+        ints = [st.name for st in STATISTICS if st.count]
+        names = floats + ints if exact else floats
+        cols = [getattr(self, name).to(fdt) for name in names]
+        tensors = [torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars)]
+        if not exact:
+            int_rows = torch.stack([getattr(self, name) for name in ints], 1)
+            if self.clamped is not None:
+                int_rows = torch.cat([int_rows, self.clamped.to(int_rows.device).reshape(-1, 1)], 1)
+            tensors.append(int_rows)
+        return tensors, names, ints, len(extra)
+
+    def start_host_copy(self) -> None:
+        """Starts copying what ``to_dict`` reads to host memory without waiting for the device
+        (pinned memory and an event on CUDA); ``to_dict``, ``layers``, ``table`` and
+        ``nonfinite_names`` then read that copy. The monitor that never blocks does this on the
+        step, and reads the copy one step later.
+
+        Example:
+            ```python
+            s = gradfuse.stats(model)
+            s.start_host_copy()      # no wait
+            ...                      # later: reading s waits for nothing
+            print(s.to_dict()["total_norm"])
+            ```
+        """
+        if self._host_cache is None and self._host_copy is None:
+            tensors, *layout = self._pack()
+            self._host_copy = (HostCopy(tensors), layout)
+
     def _host(self) -> dict:
         if self._host_cache is None:
             n = len(self.names)
-            dev, fdt = self.floats.device, self.floats.dtype
-            # float64 holds every count exactly: one transfer. In float32 (a device without
-            # float64) the counts go in a second, int64 transfer.
-            exact = fdt == torch.float64
-            scalars = [self.plain_total_norm.to(dev, fdt).reshape(1),
-                       self.nonfinite.to(dev, fdt).reshape(1)]
-            per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
-            if self.clip_coef is not None:  # per row: the smallest coefficient as the summary
-                coef = ((self.clip_coef.amin() if n else self.clip_coef.new_ones(())) if per_row
-                        else self.clip_coef)
-                scalars.append(coef.to(dev, fdt).reshape(1))
-            extra = [self.clip_coef] if per_row else []
-            extra += [self.clamped] if self.clamped is not None and exact else []
-            scalars += [x.to(dev, fdt).reshape(-1) for x in extra]
-            floats = [st.name for st in STATISTICS if not st.count]
-            ints = [st.name for st in STATISTICS if st.count]
-            # float64 holds every count exactly: one transfer for all of them
-            names = floats + ints if exact else floats
-            cols = [getattr(self, name).to(fdt) for name in names]
-            packed = torch.cat([torch.stack(cols, 1).reshape(-1)] + scalars).cpu().tolist()
-            width = len(cols)
+            if self._host_copy is not None:
+                copy, (names, ints, n_extra) = self._host_copy
+                host = copy.get()
+            else:
+                tensors, names, ints, n_extra = self._pack()
+                host = [t.cpu() for t in tensors]
+            exact = len(host) == 1
+            packed = host[0].tolist()
+            width = len(names)
             rows = [dict(zip(names, packed[i * width:(i + 1) * width])) for i in range(n)]
             clamped = None
             if not exact:
-                int_rows = torch.stack([getattr(self, name) for name in ints], 1)
-                if self.clamped is not None:
-                    int_rows = torch.cat([int_rows, self.clamped.to(int_rows.device).reshape(-1, 1)], 1)
-                int_rows = int_rows.cpu().tolist()
+                int_rows = host[1].tolist()
                 for r, i in zip(rows, int_rows):
                     r.update(zip(ints, i))
                 clamped = [i[len(ints)] for i in int_rows] if self.clamped is not None else None
+            per_row = self.clip_coef is not None and self.clip_coef.dim() == 1
             tail = packed[n * width:]
             ncoef = 1 if self.clip_coef is not None else 0
-            extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(len(extra))]
+            extra_rows = [tail[2 + ncoef + k * n:2 + ncoef + (k + 1) * n] for k in range(n_extra)]
             if self.clamped is not None and exact:
                 clamped = extra_rows[-1]
             self._host_cache = {

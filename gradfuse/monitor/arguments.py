@@ -61,14 +61,23 @@ def check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps) -> ClipA
 
 
 def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, explode_threshold, every: int,
-                       sink_ranks, optimizer, scaler, max_update_rms) -> None:
+                       sink_ranks, optimizer, scaler, max_update_rms, blocking: bool = True,
+                       reads_on_step: dict | None = None) -> None:
     """The policy, logging and AMP arguments of ``GradMonitor``, checked.
 
     Raises:
         ValueError: ``on_nonfinite`` / ``on_explode`` / ``on_spike`` not one of the policies;
             ``explode_threshold`` not > 0; ``every`` < 0; ``sink_ranks`` neither a rank number
-            nor ``"all"``; ``optimizer`` without ``scaler`` or ``max_update_rms``.
+            nor ``"all"``; ``optimizer`` without ``scaler``, ``max_update_rms`` or
+            ``blocking=False``; ``blocking=False`` with an option of ``reads_on_step`` (the
+            options that read the host on the step) set.
     """
+    if not isinstance(blocking, bool):
+        raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
+    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
+    if not blocking and on:
+        raise ValueError(f"gradfuse.GradMonitor: blocking=False does not take {', '.join(on)}: they read the host "
+                         "on the step; use blocking=True")
     check_policy("on_nonfinite", on_nonfinite)
     check_policy("on_explode", on_explode)
     check_policy("on_spike", on_spike, SPIKE_POLICIES)
@@ -79,5 +88,6 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
     if not (sink_ranks == "all" or (isinstance(sink_ranks, int) and not isinstance(sink_ranks, bool)
                                     and sink_ranks >= 0)):
         raise ValueError(f"gradfuse.GradMonitor: sink_ranks must be a rank number or 'all', got {sink_ranks!r}")
-    if optimizer is not None and scaler is None and max_update_rms is None:
-        raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale; pass scaler= too")
+    if optimizer is not None and scaler is None and max_update_rms is None and blocking:
+        raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale (pass scaler= too), "
+                         "max_update_rms or blocking=False")

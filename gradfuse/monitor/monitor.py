@@ -30,6 +30,7 @@ from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
 from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message, max_norm_of_step
+from gradfuse.monitor.deferred import Pending, device_skip_flag, device_skip_for
 from gradfuse.monitor.dynamics import Dynamics
 from gradfuse.monitor.policies import Decision, anomaly_flags, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
@@ -146,9 +147,26 @@ class GradMonitor:
             plus ``"dump"``: the dump alone, no warning). Every policy but ``"ignore"`` writes
             a dump; ``"ignore"``: spikes are recorded in the ring (and shown by a dump), not
             acted on or counted. The spike is one more bit of the one flag a policy reads.
+        blocking: True (default): the host reads each step's decision at that step (one 0-d
+            flag when a policy is active), so ``report.skip`` and ``report.anomalies`` are known
+            when ``step`` returns. False: the host never waits for the device. The decision is
+            taken and applied on the device (a skip is handed to ``optimizer``'s own step, see
+            ``gradfuse.monitor.device_skip``), the gradients are clipped either way, and the
+            values the host needs (the flag, the record's statistics, the flight recorder's
+            ring) are copied without blocking and acted on at the next ``step`` (or at
+            ``flush`` / ``close`` / ``state_dict``): warnings, a ``"raise"`` (naming the step),
+            dumps, records (in step order), counters. The ``StepReport`` returned then has
+            ``settled=False``; the host fills in its ``skip``, ``anomalies``, ``message`` and
+            ``dump`` when it settles it. Needs ``optimizer`` (one whose step takes a device
+            skip) when a policy can skip or raise; with any other optimizer the monitor warns
+            once and blocks as with True. Not with ``noise_scale``, ``update_ratios``,
+            ``update_every``, ``max_update_rms``, ``histogram``, ``activations`` or
+            ``trace_nonfinite``, which read the host on the step.
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
+    With ``blocking=False``: no read of the step's tensors at all, only of their host copies,
+    one step later.
     The flight recorder adds none of its own on a quiet step.
 
     Sinks never stop training: see ``write`` for what happens when one raises. What the sinks
@@ -222,10 +240,13 @@ class GradMonitor:
                  max_update_rms: float | None = None,
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
                  module: nn.Module | None = None, sink_ranks: int | str = 0, recorder=None,
-                 on_spike: str = "warn"):
+                 on_spike: str = "warn", blocking: bool = True):
         check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
-                           optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms)
+                           optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
+                           reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios, histogram=histogram,
+                                              update_every=update_every, max_update_rms=max_update_rms,
+                                              activations=activations, trace_nonfinite=trace_nonfinite))
         clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
         self.recorder = flight.as_recorder(recorder)
@@ -267,7 +288,7 @@ class GradMonitor:
         self.nonfinite_steps = 0
         self.explode_steps = 0
         self.amp_overflow_steps = 0
-        self._clipped_restored = 0  # clipped steps before load_state_dict
+        self._clipped_restored = 0  # clipped steps counted on the host (load_state_dict; blocking=False)
         self._clipped = None  # device counter: reading it syncs, counting it does not
         self._restored = False
         self._started = False
@@ -279,6 +300,9 @@ class GradMonitor:
                                      update_every=update_every, max_update_rms=max_update_rms)
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
                          self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
+        # blocking=False: the skip handed to the optimizer's step, and the step not yet settled
+        self._device_skip = device_skip_for(self, optimizer) if not blocking else None
+        self._pending: Pending | None = None
         self._act_hooks = None
         if activations or trace_nonfinite:
             self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
@@ -330,8 +354,10 @@ class GradMonitor:
     @property
     def clipped_steps(self) -> int:
         """Steps on which clipping scaled the gradients, an int (reads a device counter: one
-        host sync), including those restored by ``load_state_dict``."""
-        return self._clipped_restored + (0 if self._clipped is None else int(self._clipped))
+        host sync; with ``blocking=False`` none: the steps settled so far), including those
+        restored by ``load_state_dict``."""
+        live = self._clipped is not None and self._device_skip is None  # blocking=False: counted on settling
+        return self._clipped_restored + (int(self._clipped) if live else 0)
 
     @property
     def dropped_records(self) -> int:
@@ -408,6 +434,7 @@ class GradMonitor:
             optimizer.zero_grad()
             ```
         """
+        self._settle()  # blocking=False: the step before, as the host hears of it now
         step = self.step_count
         self.step_count += 1
         if not self.enabled:
@@ -423,9 +450,11 @@ class GradMonitor:
         if self._act_hooks is not None:  # hooks for the next step's forward and backward
             self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
         flight.observe(self.recorder, step, report, loss)
-        decision = self._apply_policies(plan, report, capture)
-        self._clip(plan, report)
-        self._finish(plan, report, decision)
+        if self._device_skip is not None:
+            self._defer(plan, report, capture)
+        else:
+            self._finish(plan, report, self._apply_policies(plan, report, capture))
+        self._last_report = report
         return report
 
     def _start(self, step: int) -> None:
@@ -447,14 +476,15 @@ class GradMonitor:
         max_norm, bad_max_norm = max_norm_of_step(self.max_norm, step)
         self._max_norm_now = max_norm
         return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
-                         max_norm=max_norm, bad_max_norm=bad_max_norm, needs_flag=self._needs_flag())
+                         max_norm=max_norm, bad_max_norm=bad_max_norm,
+                         needs_flag=self._needs_flag() and self._device_skip is None)
 
-    def _apply_policies(self, plan: StepPlan, report: StepReport, capture) -> Decision:
+    def _apply_policies(self, plan: StepPlan, report: StepReport, capture, pending: Pending | None = None) -> Decision:
         """The anomalies of the step and what the policies make of them: the counters, the
-        message, and a raise, a skip or a warning."""
+        message, and a raise, a skip or a warning. ``pending``: a step settled one step later
+        (its flag read from its host copy; a skip or raise was applied on the device)."""
         s = report.stats
-        spiked = self.recorder.spiked if self.on_spike != "ignore" else None
-        flags = int(anomaly_flags(s, self.explode_threshold, spiked)) if len(s) and self._needs_flag() else 0
+        flags = pending.flags if pending is not None else int(self._flags(s) if self._needs_flag() and len(s) else 0)
         decision = decide(flags, amp_active=self._amp_active(), bad_max_norm=plan.bad_max_norm is not None,
                           on_nonfinite=self.on_nonfinite, on_explode=self.on_explode, on_spike=self.on_spike)
         report.anomalies = decision.anomalies
@@ -468,12 +498,18 @@ class GradMonitor:
         if decision.counts_as_anomaly:
             self.anomaly_steps += 1
             report.message, report.first_nonfinite, report.spikes = anomaly_message(
-                s, report.anomalies, self.explode_threshold, capture, plan.bad_max_norm, self.recorder)
+                s, report.anomalies, self.explode_threshold, capture, plan.bad_max_norm, self.recorder,
+                None if pending is None else pending.snapshot)
         if decision.raises:
-            plan.leave_unscaled(s)  # the gradients in true units, for inspection
-            flight.commit_step(self.recorder, report, decision, raising=True)
-            self._write(report, event=True)
-            raise GradientAnomaly(report.message, report)
+            if pending is None:
+                plan.leave_unscaled(s)  # the gradients in true units, for inspection
+                flight.commit_step(self.recorder, report, decision, raising=True)
+            else:  # skipped on the device at that step
+                report.skip, report.settled = True, True
+                flight.dump_if_acted(self.recorder, report, decision, pending.snapshot)
+            self._write(report, True, None if pending is None else pending.max_norm)
+            raise GradientAnomaly(report.message if pending is None else f"step {report.step}: {report.message}",
+                                  report)
         # An AMP overflow step is the scaler's to skip: scaler.step/update must still run.
         report.skip = decision.skips
         if report.skip:
@@ -493,10 +529,48 @@ class GradMonitor:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
             self._clipped = clipped.to(torch.int64) if self._clipped is None else self._clipped + clipped
+            return clipped
+        return None
+
+    def _flags(self, s) -> torch.Tensor:
+        """The step's ``anomaly_flags``, on the device."""
+        return anomaly_flags(s, self.explode_threshold, self.recorder.spiked if self.on_spike != "ignore" else None)
+
+    def _defer(self, plan: StepPlan, report: StepReport, capture) -> None:
+        """``blocking=False``: the decision taken and applied on the device (the skip handed to
+        the optimizer's step), the clip, and the host copies the next step settles from."""
+        s = report.stats
+        if plan.bad_max_norm is not None and self.on_nonfinite == "raise":
+            plan.leave_unscaled(s)
+            raise plan.bad_max_norm  # a schedule's value is the host's own: nothing to wait for
+        flags = self._flags(s) if self._needs_flag() and len(s) else None
+        skip = device_skip_flag(flags, self, bad_max_norm=plan.bad_max_norm is not None)
+        self._device_skip.arm(skip)
+        clipped = self._clip(plan, report)
+        snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None)
+        self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
+                                      copy_stats=bool(self.sinks) and (plan.log_now or flags is not None))
+
+    def _settle(self) -> None:
+        """``blocking=False``: the previous step, acted on from its host copies: its decision
+        (counters, message, a raise or a warning), its dump and its record."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.read()
+        report = pending.report
+        decision = self._apply_policies(pending.plan, report, pending.capture, pending)
+        self._clipped_restored += pending.clipped and not report.skip  # a skipped step applied no clip
+        flight.dump_if_acted(self.recorder, report, decision, pending.snapshot)
+        report.settled = True
+        if pending.plan.log_now or (report.anomalies and decision.policies):
+            self._write(report, bool(report.anomalies), pending.max_norm)
+            report.logged = True
 
     def _finish(self, plan: StepPlan, report: StepReport, decision: Decision) -> None:
-        """The dynamics of the step, and its record to the sinks on logging steps and on
-        anomalies a policy acted on."""
+        """The clip, the dynamics of the step, and its record to the sinks on logging steps and
+        on anomalies a policy acted on."""
+        self._clip(plan, report)
         if self.dynamics is not None:
             self.dynamics.on_step(report, plan.log_now, self.scaler._scale if self._amp_active() else None,
                                   need_updates=flight.wants_updates(self.recorder))
@@ -504,14 +578,11 @@ class GradMonitor:
         if plan.log_now or (report.anomalies and decision.policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
-        self._last_report = report
 
     def _check_double_clip(self, fused_unscale: bool) -> None:
-        if self._double_clip is None:
-            return
         # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
-        allowed = 1 if self._amp_active() and not fused_unscale else 0
-        name = self._double_clip.changed(allowed)
+        name = None if self._double_clip is None else self._double_clip.changed(
+            1 if self._amp_active() and not fused_unscale else 0)
         if name is not None and not self._double_clip_warned:
             self._double_clip_warned = True
             warn(double_clip_message(self._call_name, name))
@@ -582,7 +653,7 @@ class GradMonitor:
             out.update(self.dynamics.counters())
         return {**out, **flight.recorder_counters(self)}
 
-    def record(self, report: StepReport, event: bool = False) -> dict:
+    def record(self, report: StepReport, event: bool = False, max_norm=None) -> dict:
         """The record the sinks get for ``report`` (reads its statistics: one transfer).
 
         The keys are listed on the Data reference page (``step``, ``total_norm``, ``max_norm``,
@@ -591,6 +662,8 @@ class GradMonitor:
         Args:
             report: A ``StepReport`` with ``stats`` (one ``step`` returned).
             event: The record is written because of an anomaly (its ``event`` key).
+            max_norm: The step's ``max_norm`` as logged, when known (a number); None: from the
+                report (a ``ZClip`` threshold read on the device).
 
         Returns:
             The record, a dict of plain values (what ``JsonlSink`` writes as one JSON line).
@@ -601,11 +674,11 @@ class GradMonitor:
             monitor.write(monitor.record(report))     # log this step by hand
             ```
         """
-        return step_record(self, report, event, self._max_norm_now)
+        return step_record(self, report, event, self._max_norm_now, logged_max_norm=max_norm)
 
-    def _write(self, report: StepReport, event: bool) -> None:
+    def _write(self, report: StepReport, event: bool, max_norm=None) -> None:
         if self.sinks:
-            self.write(self.record(report, event))
+            self.write(self.record(report, event, max_norm))
 
     def write(self, record: dict) -> None:
         """Hands ``record`` to every sink; never raises because of a sink.
@@ -651,6 +724,7 @@ class GradMonitor:
                         "gradfuse": monitor.state_dict()}, "ckpt.pt")
             ```
         """
+        self._settle()
         return monitor_state(self)
 
     def load_state_dict(self, state: dict) -> None:
@@ -686,6 +760,7 @@ class GradMonitor:
             monitor.flush()   # e.g. before reading the JSONL log mid-run
             ```
         """
+        self._settle()
         last = self._last_report
         if last is not None and not last.logged and last.stats is not None:
             self._write(last, event=False)
@@ -705,5 +780,7 @@ class GradMonitor:
         """
         if self._act_hooks is not None:
             self._act_hooks.take()  # no hook outlives the monitor
-        self.flush()
-        self._sink_set.close()
+        try:
+            self.flush()
+        finally:
+            self._sink_set.close()

@@ -47,6 +47,17 @@ def anomaly_flags(s: GradStats, explode_threshold: float | None, spiked: torch.T
     return flag
 
 
+def skip_bits(on_nonfinite: str, on_explode: str, on_spike: str, *, amp_active: bool) -> int:
+    """The bits of ``anomaly_flags`` whose policy keeps the optimizer from stepping (``"skip"``,
+    and ``"raise"``, whose step is not taken either), for a skip decided on the device. Under an
+    enabled GradScaler a non-finite gradient is the scaler's to skip."""
+    bits = 0
+    for bit, policy in ((NONFINITE, on_nonfinite), (EXPLODE, on_explode), (SPIKE, on_spike)):
+        if policy in ("skip", "raise") and not (bit == NONFINITE and amp_active):
+            bits |= bit
+    return bits
+
+
 @dataclass
 class Decision:
     """What a step's anomalies call for: ``anomalies`` (in the order found) and the

@@ -18,7 +18,7 @@ from gradfuse.numerics import headroom
 from gradfuse.numerics.histogram import attach as attach_histogram
 
 
-def step_record(monitor, report: StepReport, event: bool, max_norm_now) -> dict:
+def step_record(monitor, report: StepReport, event: bool, max_norm_now, logged_max_norm=None) -> dict:
     """The record of ``report`` (reads its statistics: one transfer), as ``GradMonitor.record``.
 
     Args:
@@ -28,6 +28,8 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now) -> dict:
         event: The record is written because of an anomaly (its ``event`` key).
         max_norm_now: The step's ``max_norm`` when its statistics hold none (a number, a
             ``ZClip`` or None).
+        logged_max_norm: The ``max_norm`` to log, when known already (a number); None: from
+            ``report`` and ``max_norm_now``.
 
     Returns:
         The record, a dict of plain values.
@@ -38,9 +40,10 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now) -> dict:
         "step": report.step,
         "total_norm": d["total_norm"],
         "norm_type": d["norm_type"],
-        "max_norm": _logged_max_norm(report, max_norm_now),
-        "clip_coef": d["clip_coef"],
-        "clipped": d["clipped"],
+        "max_norm": logged_max_norm if logged_max_norm is not None else _logged_max_norm(report, max_norm_now),
+        # a skipped step applies no clip (with blocking=False its gradients were clipped all the same)
+        "clip_coef": None if report.skip else d["clip_coef"],
+        "clipped": None if report.skip else d["clipped"],
         "nonfinite": d["nonfinite"],
         "skipped": report.skip,
         "anomalies": report.anomalies,

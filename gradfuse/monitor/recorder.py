@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from gradfuse.activations.stats import output_layer
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.core.layers import layer_of
 from gradfuse.dynamics.update_plan import LAYER_FIELDS as UPDATE_LAYER_FIELDS
 from gradfuse.dynamics.update_plan import layer_values, plan_updates, unavailable_reason
@@ -276,28 +277,44 @@ class FlightRecorder:
         self._pending = torch.zeros_like(self._pending)
         self._committed = False
 
-    def commit(self, stats, *, skipped: bool, applied: bool, updates=None) -> None:
+    def commit(self, stats, *, skipped, applied, updates=None, snapshot: bool = False):
         """The second half, before ``optimizer.step()``: the clip coefficient, the update the
         optimizer is about to apply (when ``applied``), and the row written at the device-side
         index (no host read). Once per step; later calls do nothing.
 
         Args:
             stats: The step's ``GradStats`` (after clipping).
-            skipped: A policy skipped the step.
-            applied: The optimizer applies this step's update.
+            skipped: A policy skipped the step: a bool, or a 0-d bool on the device (a skip
+                decided there).
+            applied: The optimizer applies this step's update (a bool; with a device
+                ``skipped``, True: the update's fields are NaN where the flag skips).
             updates: This step's ``UpdateRows`` over the recorder's optimizers when taken
                 already (``gradfuse.dynamics.update_plan.plan_updates``), else None.
+            snapshot: Also start a host copy of the ring as this step leaves it (no wait).
+
+        Returns:
+            With ``snapshot``, a ``RecorderSnapshot`` (what the spike message and the dump read
+                one step later); else None.
         """
         if self._committed or not self._bound:
-            return
+            return None
         self._committed = True
         s, rows = self._scalars, self._rows
+        before = self._before_commit() if snapshot else None
         if stats is not None and stats.clip_coef is not None:
             coef = stats.clip_coef if stats.clip_coef.dim() == 0 else stats.clip_coef.amin()
             s[3] = coef.to(self.device, self.dtype).clamp(max=1.0)
-        s[5] = float(skipped)
+        on_device = isinstance(skipped, torch.Tensor)
+        s[5] = skipped.to(self.device, self.dtype) if on_device else float(skipped)
+        if on_device:  # a skipped step applies no clip (its gradients may have been clipped all the same)
+            s[3] = torch.where(skipped.to(self.device), 1.0, s[3])
         if applied and self.record_updates and self.optimizers and not self.updates_unavailable:
             self._updates(s, rows, updates)
+            if on_device:  # a step skipped on the device applies no update
+                gone = skipped.to(self.device)
+                s[UPDATE] = torch.where(gone, math.nan, s[UPDATE])
+                cols = slice(LAYER_FIELDS.index("update_rms"), LAYER_FIELDS.index("exp_avg_sq_rms") + 1)
+                rows[:, cols] = torch.where(gone, math.nan, rows[:, cols])
             bit = self.spikes.decide(s[UPDATE:UPDATE + 1], (UPDATE,))
             self._spike[UPDATE] = bit[0]
             self._pending[UPDATE] = bit[0]
@@ -309,6 +326,23 @@ class FlightRecorder:
         self.spike_ring.index_copy_(0, i, self._spike[None])
         self.index.add_(1).remainder_(self.steps)
         self.count.add_(1).clamp_(max=self.steps)
+        return None if before is None else RecorderSnapshot(self, before)
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The device tensors the spike message and the dump read."""
+        return {"index": self.index, "count": self.count, "steps": self.step_ring, "scalars": self.scalar_ring,
+                "layers": self.layer_ring, "spike": self.spike_ring, "acted": self._acted,
+                "bands": self.spikes.bands}
+
+    def _before_commit(self) -> dict[str, torch.Tensor]:
+        """On the device, before ``commit`` writes: the bands of the step's decision, the step's
+        row as observed, and the row the commit overwrites with whether the ring was full (what a
+        message taken before the commit reads)."""
+        i = self.index.reshape(1)
+        return {"bands_before": self.spikes.bands.clone(), "full_before": self.count == self.steps,
+                "rows_before": self._rows.clone(), "scalars_before": self._scalars.clone(),
+                "evicted_scalars": self.scalar_ring.index_select(0, i),
+                "evicted_layers": self.layer_ring.index_select(0, i)}
 
     def _updates(self, s: torch.Tensor, rows: torch.Tensor, planned=None) -> None:
         """The update statistics of this step into the scalars and rows, from ``planned`` (the
@@ -349,8 +383,12 @@ class FlightRecorder:
         self.spikes.push(x, (LOSS,))
 
     # -- reading it ----------------------------------------------------------------------------
-    def unroll(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def unroll(self, snapshot: RecorderSnapshot | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
         """The ring in step order (oldest first, the recorded steps only), read to the CPU.
+
+        Args:
+            snapshot: Read this ``RecorderSnapshot`` (the ring as a step left it, in host
+                memory) instead of the ring itself.
 
         Returns:
             ``(header, arrays)`` as a dump holds them (the Data reference lists them); the
@@ -361,12 +399,13 @@ class FlightRecorder:
         """
         if not self._bound:
             raise RuntimeError("gradfuse.FlightRecorder: no step recorded yet")
-        index, count = (int(v) for v in torch.stack([self.index, self.count]).cpu())
+        t = self._live() if snapshot is None else snapshot.tensors()
+        index, count = (int(v) for v in torch.stack([t["index"], t["count"]]).cpu())
         order = list(range(count)) if count < self.steps else list(range(index, self.steps)) + list(range(index))
-        at = torch.tensor(order, dtype=torch.int64, device=self.device)
-        arrays = {"steps": self.step_ring[at].cpu(), "scalars": self.scalar_ring[at].to(torch.float64).cpu(),
-                  "layers": self.layer_ring[at].to(torch.float64).cpu(), "spike": self.spike_ring[at].cpu()}
-        bands = self.spikes.band_values()
+        at = torch.tensor(order, dtype=torch.int64, device=t["steps"].device)
+        arrays = {"steps": t["steps"][at].cpu(), "scalars": t["scalars"][at].to(torch.float64).cpu(),
+                  "layers": t["layers"][at].to(torch.float64).cpu(), "spike": t["spike"][at].cpu()}
+        bands = self.spikes.band_values(t["bands"])
         header = {"layers": self.layers, "layer_fields": list(LAYER_FIELDS), "scalar_fields": list(SCALAR_FIELDS),
                   "spike_quantities": list(SPIKE_QUANTITIES),
                   "config": {"steps": self.steps, "window": self.window, "warmup": self.warmup,
@@ -375,35 +414,48 @@ class FlightRecorder:
                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "names": self.names}
         return header, arrays
 
-    def spike_quantities(self) -> list[str]:
-        """The quantities whose spike the latest step acts on: a loss or gradient-norm spike of
-        that step, an update-norm or late-loss spike of the step before (reads the host)."""
+    def spike_quantities(self, snapshot: RecorderSnapshot | None = None) -> list[str]:
+        """The quantities whose spike the latest step (or ``snapshot``'s step) acts on: a loss or
+        gradient-norm spike of that step, an update-norm or late-loss spike of the step before
+        (reads the host)."""
         if not self._bound:
             return []
-        return [q for q, bit in zip(SPIKE_QUANTITIES, self._acted.cpu().tolist()) if bit]
+        acted = self._acted if snapshot is None else snapshot.tensors()["acted"]
+        return [q for q, bit in zip(SPIKE_QUANTITIES, acted.cpu().tolist()) if bit]
 
-    def describe_spike(self) -> tuple[str, list[str]]:
-        """The message of the spike the latest step acts on: the quantities with their value and
-        band, and the layers whose ``grad_l2`` (``update_rms`` for an update spike alone) is
-        furthest above its mean over the recorded steps before, in z-scores (reads the host).
+    def describe_spike(self, snapshot: RecorderSnapshot | None = None) -> tuple[str, list[str]]:
+        """The message of the spike the latest step (or ``snapshot``'s step) acts on: the
+        quantities with their value and band, and the layers whose ``grad_l2`` (``update_rms``
+        for an update spike alone) is furthest above its mean over the recorded steps before, in
+        z-scores (reads the host). The message is the same from a snapshot, read a step later.
 
         Returns:
             ``(message, quantities)``.
         """
-        quantities = self.spike_quantities()
-        _header, arrays = self.unroll()
+        quantities = self.spike_quantities(snapshot)
+        _header, arrays = self.unroll(snapshot)
         lay, scal = arrays["layers"], arrays["scalars"]
-        if not self._committed:  # the step acting on it is not in the ring yet
+        committed, bands = self._committed, None
+        if snapshot is not None:  # the ring before that step's commit, as the live message reads it
+            t = snapshot.tensors()
+            committed, bands = False, t["bands_before"]
+            if bool(t["full_before"]):
+                lay = torch.cat([t["evicted_layers"].to(torch.float64), lay])
+                scal = torch.cat([t["evicted_scalars"].to(torch.float64), scal])
+            lay = torch.cat([lay[:-1], t["rows_before"].to(torch.float64)[None]])
+            scal = torch.cat([scal[:-1], t["scalars_before"].to(torch.float64)[None]])
+        elif not committed:  # the step acting on it is not in the ring yet
             lay = torch.cat([lay, self._rows.to(torch.float64).cpu()[None]])
             scal = torch.cat([scal, self._scalars.to(torch.float64).cpu()[None]])
         field = "update_rms" if quantities == ["update_norm"] else "grad_l2"
-        if quantities == ["update_norm"] and self._committed is False:
+        if quantities == ["update_norm"] and not committed:
             lay = lay[:-1]  # the update of the step before
-        text = self.spikes.message(quantities, scal, lay[:, :, LAYER_FIELDS.index(field)], self.layers, field)
+        text = self.spikes.message(quantities, scal, lay[:, :, LAYER_FIELDS.index(field)], self.layers, field, bands)
         return text, quantities
 
     # -- dumps ---------------------------------------------------------------------------------
-    def dump(self, path: str | os.PathLike | None = None, trigger: dict | None = None) -> Path | None:
+    def dump(self, path: str | os.PathLike | None = None, trigger: dict | None = None,
+             snapshot: RecorderSnapshot | None = None) -> Path | None:
         """Writes the ring to one file (``gradfuse.load_dump`` reads it back); never raises.
 
         Args:
@@ -411,13 +463,15 @@ class FlightRecorder:
             trigger: What triggered it: ``kind`` ("spike", "nonfinite", "explode" or
                 "manual"), ``anomalies``, ``message``, ``quantities``, ``first_nonfinite``, and
                 ``step``; None: a manual dump of the latest step.
+            snapshot: Write this ``RecorderSnapshot`` (the ring as a step left it) instead of
+                the ring itself.
 
         Returns:
             The path written, or None: nothing recorded yet, the write failed (counted in
                 ``failed_dumps`` and warned about once per kind of error), or an automatic dump
                 (``path`` None with a trigger that is not manual) past ``max_dumps``.
         """
-        if not self._bound or not int(self.count):
+        if not self._bound or not int(self.count if snapshot is None else snapshot.tensors()["count"]):
             return None
         trigger = dict(trigger or {})
         kind = trigger.setdefault("kind", "manual")
@@ -430,7 +484,7 @@ class FlightRecorder:
         for key, default in (("anomalies", []), ("message", ""), ("quantities", []), ("first_nonfinite", None)):
             trigger.setdefault(key, default)
         try:
-            header, arrays = self.unroll()
+            header, arrays = self.unroll(snapshot)
             step = int(trigger.pop("step", arrays["steps"][-1]))
             target = Path(path) if path is not None else self.dump_dir / f"step{step}-{kind}.gfdump"
             written = write_dump(target, {"step": step, "trigger": trigger, **header}, arrays)
@@ -463,3 +517,18 @@ class FlightRecorder:
                 raise ValueError(f"gradfuse.FlightRecorder.load_state_dict: window {len(state['history'][0])} "
                                  f"saved, {self.window} here")
             self.spikes.load_state_dict(state)
+
+
+class RecorderSnapshot:
+    """A ``FlightRecorder``'s ring as one step left it, copied to host memory without blocking
+    (``commit(..., snapshot=True)``): what ``describe_spike``, ``unroll`` and ``dump`` read when
+    the host acts on that step one step later."""
+
+    def __init__(self, recorder: FlightRecorder, before: dict[str, torch.Tensor]):
+        tensors = {**recorder._live(), **before}
+        self._keys = list(tensors)
+        self._copy = HostCopy(list(tensors.values()))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The host tensors, by name (waits for the copy's event on CUDA)."""
+        return dict(zip(self._keys, self._copy.get()))

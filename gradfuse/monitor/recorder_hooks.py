@@ -75,9 +75,26 @@ def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool
     applied = not (raising or report.skip or "amp_overflow" in report.anomalies)
     updates = None if dynamics is None else dynamics.planned_updates(report, recorder.optimizers)
     recorder.commit(report.stats, skipped=report.skip, applied=applied, updates=updates)
-    trigger = trigger_of(report)
+    dump_if_acted(recorder, report, decision)
+
+
+def commit_deferred(recorder: FlightRecorder | None, report, skip, keep: bool):
+    """``commit_step`` for a monitor that never blocks: the row of the step with its skip as
+    decided on the device (``skip``, a 0-d bool, or None), and, when ``keep``, the
+    ``RecorderSnapshot`` the host reads the next step (else None)."""
+    if recorder is None:
+        return None
+    skipped = skip if skip is not None else False
+    return recorder.commit(report.stats, skipped=skipped, applied=True, snapshot=keep)
+
+
+def dump_if_acted(recorder: FlightRecorder | None, report, decision, snapshot=None) -> None:
+    """A dump when a policy other than ``"ignore"`` acted on a non-finite, explode or spike
+    anomaly of ``report`` (its path in ``report.dump``); from ``snapshot`` when the step is
+    settled a step later."""
+    trigger = None if recorder is None else trigger_of(report)
     if trigger is not None and set(decision.policies) - {"ignore"}:
-        report.dump = recorder.dump(trigger=trigger)
+        report.dump = recorder.dump(trigger=trigger, snapshot=snapshot)
 
 
 def recorder_counters(monitor) -> dict[str, int]:

@@ -67,6 +67,10 @@ class StepReport:
         spikes (list[str]): With a flight recorder, on a ``"spike"`` step: the quantities that
             spiked (``"loss"``, ``"grad_norm"``, ``"update_norm"``).
         dump (Path | None): The flight recorder's dump written for this step, or None.
+        settled (bool): Whether the host has read the step's decision: True at once with
+            ``blocking=True``; with ``blocking=False``, False until the next ``step`` (or
+            ``flush`` / ``close``) settles it and fills in ``skip``, ``anomalies``, ``message``,
+            ``spikes``, ``dump`` and ``logged`` (the skip itself was applied on the device).
         updates (dict | None): With ``update_ratios``, on the steps that take the optimizer's
             statistics (logging steps, ``update_every``, ``max_update_rms``, a flight recorder
             recording updates): ``names``, ``rows`` (an ``UpdateRows`` of device tensors, per
@@ -96,11 +100,12 @@ class StepReport:
     spikes: list[str] = field(default_factory=list)  # with a flight recorder: the quantities that spiked
     dump: Path | None = None  # the flight recorder's dump of this step
     updates: dict | None = None  # the optimizer's statistics of this step, when taken
+    settled: bool = True  # blocking=False: False until the host reads the step's decision
 
 
 def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float | None, capture,
-                    bad_max_norm: Exception | None,
-                    recorder=None) -> tuple[str, tuple[str, str] | None, list[str]]:
+                    bad_max_norm: Exception | None, recorder=None,
+                    snapshot=None) -> tuple[str, tuple[str, str] | None, list[str]]:
     """The message of a step with an anomaly of the model, and where its first NaN / Inf appeared.
 
     Args:
@@ -110,6 +115,7 @@ def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float
         capture: The step's ``ActivationCapture`` (full or trace-only), or None.
         bad_max_norm: The error of a bad ``max_norm`` schedule value at this step, or None.
         recorder: The monitor's ``FlightRecorder``, for a ``"spike"`` (or None).
+        snapshot: The recorder's ``RecorderSnapshot`` of the step, when it is read a step later.
 
     Returns:
         ``(message, first_nonfinite, spikes)``: the parameters at fault (``policies.describe``),
@@ -128,6 +134,6 @@ def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float
         message = "; ".join(m for m in (message, str(bad_max_norm)) if m)
     spikes = []
     if "spike" in anomalies and recorder is not None:
-        spike, spikes = recorder.describe_spike()
+        spike, spikes = recorder.describe_spike(snapshot)
         message = "; ".join(m for m in (message, spike) if m)
     return message, first_nonfinite, spikes

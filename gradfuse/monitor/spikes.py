@@ -73,17 +73,20 @@ class SpikeDetector:
         count = self.history_count.index_select(0, q)
         self.history_count.index_copy_(0, q, (count + ok.to(torch.int64)).clamp(max=self.window))
 
-    def band_values(self) -> dict[str, dict]:
-        """The latest bands per quantity, ``{quantity: {mean, std, count}}`` (reads the host)."""
+    def band_values(self, bands: torch.Tensor | None = None) -> dict[str, dict]:
+        """The latest bands (or ``bands``, a copy of them) per quantity, ``{quantity: {mean,
+        std, count}}`` (reads the host)."""
+        bands = self.bands if bands is None else bands
         return {q: {"mean": m, "std": sd, "count": int(c)}
-                for q, (m, sd, c) in zip(SPIKE_QUANTITIES, self.bands.to(torch.float64).cpu().tolist())}
+                for q, (m, sd, c) in zip(SPIKE_QUANTITIES, bands.to(torch.float64).cpu().tolist())}
 
     def message(self, quantities: list[str], scalars: torch.Tensor, layer_values: torch.Tensor, layers: list[str],
-                field: str) -> str:
+                field: str, bands: torch.Tensor | None = None) -> str:
         """The message of a spike: each of ``quantities`` with its latest finite value (in the
         ``scalars`` rows) and its band, and the layers whose ``field`` (``layer_values``,
-        ``[steps, layers]``) is furthest above its mean, in z-scores (reads the host)."""
-        bands = self.bands.to(torch.float64).cpu().tolist()
+        ``[steps, layers]``) is furthest above its mean, in z-scores (reads the host). ``bands``:
+        a copy of the bands to read in place of the latest."""
+        bands = (self.bands if bands is None else bands).to(torch.float64).cpu().tolist()
         parts = []
         for q in quantities:
             i = SPIKE_QUANTITIES.index(q)

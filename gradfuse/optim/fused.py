@@ -13,6 +13,7 @@ import torch
 
 from gradfuse import ops
 from gradfuse.core.distributed import local_tensor
+from gradfuse.core.host_copy import HostCopy, read_host_resident
 from gradfuse.core.norms import rms_limit_coefficient
 from gradfuse.ops.layout import RULE_ADAM, RULE_SGD, UPDATE_NUMEL, UPDATE_SUMSQ
 from gradfuse.optim.table import adam_row, sgd_row
@@ -87,7 +88,17 @@ def _is_kernel_layout(p: torch.Tensor, tensors) -> bool:
     return p.is_contiguous() and all(t.numel() == 0 or (t.is_contiguous() and t.shape == p.shape) for t in tensors)
 
 
-def _sgd_lists(optimizer, groups: dict, slow: list):
+class _Made:
+    """What a step changed on the host before the device decides on its skip flag: the state
+    entries it made (a first step) and the step counters it advanced; undone by ``settle_skip``
+    when the flag said skip."""
+
+    def __init__(self):
+        self.entries: list[tuple[torch.Tensor, tuple[str, ...]]] = []  # (parameter, keys made)
+        self.steps: list[torch.Tensor] = []
+
+
+def _sgd_lists(optimizer, groups: dict, slow: list, made: _Made):
     for group in optimizer.param_groups:
         momentum = group["momentum"]
         for p in group["params"]:
@@ -102,11 +113,12 @@ def _sgd_lists(optimizer, groups: dict, slow: list):
                 if buf is None:
                     first = True
                     buf = state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                    made.entries.append((p, ("momentum_buffer",)))
             row = sgd_row(group, first)
             _add(groups, slow, p, g, buf, None, None, row)
 
 
-def _adam_lists(optimizer, groups: dict, slow: list):
+def _adam_lists(optimizer, groups: dict, slow: list, made: _Made):
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
         decoupled = group.get("decoupled_weight_decay", decoupled_default)
@@ -122,12 +134,14 @@ def _adam_lists(optimizer, groups: dict, slow: list):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made.entries.append((p, tuple(state)))
             steps.append(state["step"])
             members.append((p, g, state))
         if not members:
             continue
         torch._foreach_add_(steps, 1)  # step_t += 1, on the counters' own device (the CPU: no wait)
-        values = torch.stack([s.reshape(()).to("cpu", torch.float64) for s in steps]).tolist()
+        made.steps += steps
+        values = read_host_resident(steps)
         rows: dict[float, list[float]] = {}
         for (p, g, state), step in zip(members, values):
             row = rows.get(step)
@@ -170,14 +184,12 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
                max_update_rms: float | None = None, stats: bool = False) -> list[StepRows]:
     """The step of ``optimizer`` (a ``gradfuse.optim`` optimizer), in place; the rows of each
     (device, dtype) group when ``stats``. See ``gradfuse.optim.SGD.step``."""
-    if skip is not None and bool(skip.reshape(()).item()):
-        # A step not taken: no weight, state or counter changes, no state made for a first step.
-        # (A flag on a GPU is read here, once per step.)
-        return []
+    settle_skip(optimizer)
     rule = RULE_SGD if isinstance(optimizer, torch.optim.SGD) else RULE_ADAM
     groups: dict[tuple, _Lists] = {}
     slow: list = []
-    (_sgd_lists if rule == RULE_SGD else _adam_lists)(optimizer, groups, slow)
+    made = _Made()
+    (_sgd_lists if rule == RULE_SGD else _adam_lists)(optimizer, groups, slow, made)
     for entry in slow:  # a layout the kernels do not take: contiguous copies, written back below
         p, lp, lg, state, row = entry
         lists = groups[("copy", id(p))] = _Lists()
@@ -199,14 +211,42 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
         if max_update_rms is not None:  # a first pass for each tensor's update RMS, then the step
             f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, stats=True, write=False)
             update_coefs = rms_limit_coefficient(f[:, UPDATE_SUMSQ], c[:, UPDATE_NUMEL], max_update_rms)
-        f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, update_coefs=update_coefs, stats=stats)
+        flag = None if skip is None else skip.to(device, non_blocking=True)
+        f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, skip=flag, update_coefs=update_coefs,
+                                            stats=stats)
         for original, copy in zip(lists.originals, (lists.params[0], lists.m[0], lists.v[0],
                                                                      lists.v_max[0])):
             if copy is not original and copy.numel():
                 original.copy_(copy)
         if stats:
             out.append(StepRows(lists.users, f, c))
+    if skip is not None and (made.entries or made.steps):  # the host hears of the flag at the next step
+        optimizer._pending_skip = (HostCopy([skip.reshape(())]), made)
     return out
+
+
+def settle_skip(optimizer) -> None:
+    """Applies the skip flag of ``optimizer``'s latest step to what the host changed for it: when
+    the flag said skip, the step counters go back and the state a first step made is removed, so
+    that weights, state and counters are those of a run that did not take the step. Reads the
+    flag's host copy (made without blocking at that step); does nothing when there is none.
+    The next step, ``state_dict`` and ``settle_skip`` itself call it."""
+    pending = optimizer.__dict__.pop("_pending_skip", None)
+    if pending is None:
+        return
+    copy, made = pending
+    if not copy.get()[0].item():
+        return
+    if made.steps:
+        torch._foreach_sub_(made.steps, 1)
+    for p, keys in made.entries:
+        state = optimizer.state.get(p)
+        if state is None:
+            continue
+        for key in keys:
+            state.pop(key, None)
+        if not state:
+            del optimizer.state[p]
 
 
 def check_max_update_rms(name: str, max_update_rms) -> float | None:

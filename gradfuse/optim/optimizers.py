@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from gradfuse.optim.fused import StepRows, check_max_update_rms, fused_step, refuse_unsupported
+from gradfuse.optim.fused import StepRows, check_max_update_rms, fused_step, refuse_unsupported, settle_skip
 
 
 class FusedStep:
@@ -36,6 +36,19 @@ class FusedStep:
             self.param_groups.pop()
             raise
 
+    def settle_skip(self) -> None:
+        """Brings the host's side up to date with the ``skip`` flag of the latest step: a step
+        the flag skipped leaves the step counters where they were and makes no state. The flag is
+        read from a host copy made at that step without blocking (on a GPU, by the next step it
+        has arrived); until then ``state`` shows the counters advanced. ``step`` and
+        ``state_dict`` call it first; call it before reading ``state`` yourself."""
+        settle_skip(self)
+
+    def state_dict(self) -> dict:
+        """Torch's ``state_dict``, after ``settle_skip``."""
+        settle_skip(self)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Torch's ``load_state_dict``, refusing what the fused step does not do (as the
         constructor). A state dict of torch's ``fused=True`` optimizer loads: its groups then say
@@ -58,8 +71,11 @@ class FusedStep:
             grad_scale (torch.Tensor, optional): One element: every gradient is multiplied by it as
                 it is read (rounded to the gradient's dtype, as ``p.grad.mul_(grad_scale)`` before
                 the step would round it). ``p.grad`` itself keeps its value.
-            skip (torch.Tensor, optional): One element; nonzero: the step is not taken (weights,
-                state and step counters unchanged; a first step makes no state).
+            skip (torch.Tensor, optional): One element, read on the device only; nonzero: the step
+                is not taken: weights and state are not written, and the step counters (kept on
+                the host, as torch keeps them) and a first step's state are set back when the
+                host reads the flag's copy, at the next ``step`` or ``state_dict`` (see
+                ``settle_skip``).
             max_update_rms (float, optional): Each parameter's update limited to this RMS
                 (``w = w_before + min(1, max_update_rms / rms(u)) * u``); costs a first read-only
                 pass, since a tensor's coefficient needs its whole update.

@@ -1,0 +1,82 @@
+"""The monitor that never blocks (``GradMonitor(blocking=False)``): a step's decision taken on
+the device and handed to the optimizer's step as a skip flag, and what the host needs of the step
+copied without blocking and read at the next step (``Pending``).
+
+What is decided where: the flag (non-finite, explosion, spike) and the skip on the device, at
+the step; everything the host does with it (warnings, counters, a ``"raise"``, dumps, records)
+at the next ``step``, ``flush``, ``close`` or ``state_dict``, from the host copies.
+
+Layer: monitor. Imports ``gradfuse.core`` and the monitor's policies and device skip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradfuse.core.host_copy import HostCopy
+from gradfuse.monitor.device_skip import DeviceSkip, device_skip_kind
+from gradfuse.monitor.policies import skip_bits
+from gradfuse.utils import warn
+
+
+def device_skip_for(monitor, optimizer) -> DeviceSkip | None:
+    """The ``DeviceSkip`` of a ``blocking=False`` monitor, or None when it must block: a policy
+    can skip (or raise) and ``optimizer`` cannot take a skip on the device (warned once, with
+    what would avoid it)."""
+    can_skip = skip_bits(monitor.on_nonfinite, monitor.on_explode, monitor.on_spike, amp_active=False) != 0
+    if optimizer is not None and device_skip_kind(optimizer) is not None:
+        return DeviceSkip([optimizer])
+    if not can_skip:
+        return DeviceSkip([])
+    what = "no optimizer=" if optimizer is None else f"a {type(optimizer).__qualname__}"
+    warn(f"gradfuse.GradMonitor(blocking=False): with {what}, a policy that skips or raises needs the host to read "
+         "its decision before the optimizer steps, so this monitor blocks as with blocking=True. Pass optimizer= "
+         "a gradfuse.optim optimizer (gradfuse.optim.from_torch(optimizer) adopts a torch SGD / Adam / AdamW), or "
+         "torch's Adam / AdamW with fused=True, or set the policies to 'warn' / 'ignore'")
+    return None
+
+
+def device_skip_flag(flags: torch.Tensor | None, monitor, *, bad_max_norm: bool) -> torch.Tensor | None:
+    """The step's skip as a 0-d bool on the device (a policy that skips or raises fired), or None
+    when nothing can skip it."""
+    bits = skip_bits(monitor.on_nonfinite, monitor.on_explode, monitor.on_spike,
+                     amp_active=monitor.scaler is not None and monitor.scaler.is_enabled())
+    flag = None if flags is None or not bits else (flags & bits) != 0
+    if bad_max_norm and monitor.on_nonfinite == "skip":  # the host knows this one already
+        flag = torch.ones((), dtype=torch.bool) if flag is None else torch.ones_like(flag)
+    return flag
+
+
+@dataclass
+class Pending:
+    """A ``blocking=False`` step the host has not acted on yet: what it needs of the step, as
+    host copies started at the step (``start``) and read at the next (``read``)."""
+
+    plan: object  # the step's StepPlan
+    report: object  # its StepReport, filled in when settled
+    capture: object  # its ActivationCapture, or None
+    snapshot: object  # the flight recorder's RecorderSnapshot, or None
+    copy: HostCopy  # the flag, the clipped bit and the logged max_norm
+    flags: int = 0  # read: the anomaly flags
+    clipped: int = 0  # read: 1 when the clip scaled the gradients
+    max_norm: float | None = None  # read: the max_norm the record logs
+
+    @classmethod
+    def start(cls, plan, report, capture, flags, clipped, snapshot, max_norm_now, *, copy_stats: bool) -> Pending:
+        """Starts the host copies of a step (``copy_stats``: the record's statistics too)."""
+        if copy_stats:
+            report.stats.start_host_copy()
+        logged = report.stats.max_norm if report.stats.max_norm is not None else max_norm_now
+        logged = getattr(logged, "last_threshold", logged)  # a ZClip: its threshold of the step
+        report.settled = False
+        return cls(plan, report, capture, snapshot, HostCopy([flags, clipped, logged if isinstance(
+            logged, torch.Tensor) else None]), max_norm=None if isinstance(logged, torch.Tensor) else logged)
+
+    def read(self) -> None:
+        """Reads the copies (on CUDA, waits for their event: by the next step it has passed)."""
+        flags, clipped, threshold = self.copy.get()
+        self.flags = 0 if flags is None else int(flags.item())
+        self.clipped = 0 if clipped is None else int(clipped.item())
+        if threshold is not None:
+            self.max_norm = float(threshold.item())

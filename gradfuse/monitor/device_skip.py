@@ -1,0 +1,88 @@
+"""A monitor's skip applied on the device: the decision of a step (a 0-d bool on the gradients'
+device) handed to the optimizer's own step, so that the host never reads it before the step.
+
+Which optimizers take it (``device_skip_kind``):
+
+- ``gradfuse.optim.SGD`` / ``Adam`` / ``AdamW``: the ``skip`` argument of its fused pass; no host
+  read (its step counters, kept on the host, are set back one step later from a host copy);
+- torch's ``Adam`` / ``AdamW`` with ``fused=True``, and ``SGD`` with ``fused=True`` and no
+  momentum: ``found_inf``, as a ``GradScaler`` hands it (combined with the scaler's own); no host
+  read on CUDA (torch's CPU kernels read it on the CPU, where nothing waits);
+- any other optimizer: none; the monitor reads its decision before the step.
+
+Torch's fused SGD with momentum is not among them: a skipped first step would leave its
+momentum buffers unwritten, and its next step would read them as made.
+
+Layer: monitor. Imports ``gradfuse.optim``.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradfuse.optim import FusedStep
+
+
+def device_skip_kind(optimizer) -> str | None:
+    """``"gradfuse.optim"``, ``"torch fused"`` or None: how ``optimizer``'s step takes a skip flag
+    on the device (see the module's table)."""
+    if isinstance(optimizer, FusedStep):
+        return "gradfuse.optim"
+    groups = getattr(optimizer, "param_groups", None)
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and groups and all(
+            g.get("fused") for g in groups):
+        if type(optimizer) is torch.optim.SGD and any(g.get("momentum", 0) for g in groups):
+            return None
+        return "torch fused"
+    return None
+
+
+class DeviceSkip:
+    """Step pre- and post-hooks on ``optimizers`` that hand each one's next step the flag of
+    ``arm`` (each optimizer takes a flag once; the next ``arm`` gives the next round's).
+
+    Args:
+        optimizers: Optimizers of which ``device_skip_kind`` is not None.
+    """
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+        self._flag: torch.Tensor | None = None
+        self._taken: set[int] = set()
+        self._found_inf: dict[int, object] = {}  # what found_inf was before this hook set it
+        self._handles = []
+        for opt in self.optimizers:
+            self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+
+    def arm(self, flag: torch.Tensor | None) -> None:
+        """The flag of the coming round of steps (a 0-d bool on the device; None: none)."""
+        self._flag, self._taken = flag, set()
+
+    def _pre(self, optimizer, args, kwargs):
+        flag = self._flag
+        if flag is None or id(optimizer) in self._taken:
+            return None
+        self._taken.add(id(optimizer))
+        if isinstance(optimizer, FusedStep):
+            given = kwargs.get("skip")
+            skip = flag if given is None else flag | given.to(flag.device).reshape(()).bool()
+            return args, {**kwargs, "skip": skip}
+        found = optimizer.__dict__.get("found_inf")  # a GradScaler's, when it steps the optimizer
+        self._found_inf[id(optimizer)] = found
+        mine = flag.to(torch.float32)
+        optimizer.found_inf = mine if found is None else torch.maximum(found, mine.to(found.device))
+        return None
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        if id(optimizer) not in self._found_inf:
+            return
+        found = self._found_inf.pop(id(optimizer))
+        if found is None:
+            optimizer.__dict__.pop("found_inf", None)
+        else:
+            optimizer.found_inf = found
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

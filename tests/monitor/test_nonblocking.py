@@ -1,0 +1,236 @@
+"""The monitor that never blocks (``GradMonitor(blocking=False)``), checked on the CPU with the
+sync guard counting reads of the step's tensors apart from reads of their host copies
+(tests/sync_guard.py): a run with planted anomalies reads nothing of the step, skips on the
+device, and gives the blocking monitor's records, warnings and dumps, one step later.
+
+The fast clip of ``gradfuse.watch`` reads its 0-d coefficient where it lives on the CPU
+(csrc/watch.cpp; on CUDA it reads nothing), so the guarded runs take the functional path, as
+tests/core/test_no_sync.py does."""
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from sync_guard import SyncGuard
+from torch import nn
+
+import gradfuse
+import gradfuse.optim
+from gradfuse import FlightRecorder, GradMonitor, JsonlSink, load_dump
+from gradfuse.core.watch import GradWatch
+
+STEPS = 200
+NAN_AT, EXPLODE_AT, SPIKE_AT = 60, 110, 160
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 32, (4, 9), generator=g) for _ in range(STEPS)]
+
+
+def plant(model, step):
+    """A NaN, an explosion (above explode_threshold) and a gradient spike (below it)."""
+    grads = [p.grad for p in model.parameters()]
+    if step == NAN_AT:
+        grads[3].view(-1)[0] = math.nan
+    elif step == EXPLODE_AT:
+        torch._foreach_mul_(grads, 1e5)
+    elif step == SPIKE_AT:
+        torch._foreach_mul_(grads, 60.0)
+
+
+def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if optimizer_kind == "gradfuse":
+        opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    log = tmp_path / f"run-{blocking}.jsonl"
+    recorder = FlightRecorder(steps=16, window=32, warmup=20, dump_dir=tmp_path / f"dumps-{blocking}")
+    monitor = GradMonitor(model, max_norm=1.0, every=10, on_nonfinite="skip", explode_threshold=1e3,
+                          on_explode="skip", recorder=recorder, on_spike="dump", sinks=[JsonlSink(log)],
+                          optimizer=None if blocking else opt, blocking=blocking)
+    reports, losses = [], []
+    data = batches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with guard if guard is not None else _nothing():
+            for step, x in enumerate(data):
+                loss = nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+                loss.backward()
+                plant(model, step)
+                report = monitor.step(loss=loss.detach())
+                if blocking and not report.skip:
+                    opt.step()
+                elif not blocking:
+                    opt.step()  # the skip is applied on the device
+                opt.zero_grad()
+                reports.append(report)
+                losses.append(loss.detach())
+        monitor.close()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    messages = [str(w.message) for w in caught if "gradfuse step" in str(w.message)]
+    return model, opt, monitor, reports, records, messages, recorder
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def functional_watch(monkeypatch):
+    monkeypatch.setattr(GradWatch, "_fast_ready", lambda self: False)
+
+
+def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    _, opt_b, mon_b, rep_b, rec_b, msg_b, recorder_b = run(tmp_path, blocking=True)
+    model_n, opt_n, mon_n, rep_n, rec_n, msg_n, recorder_n = run(tmp_path, blocking=False, guard=guard)
+
+    # nothing of the step was read; the host copies were, and gradfuse's ops ran under the guard
+    assert guard.reads == []
+    assert len(guard.copy_reads) >= STEPS and guard.saw_gradfuse_op()
+
+    # the planted anomalies fired, and the same steps were skipped (on the device) or dumped
+    skipped = [r.step for r in rep_b if r.skip]
+    assert skipped == [NAN_AT, EXPLODE_AT]
+    assert [r.step for r in rep_n if r.skip] == skipped
+    assert all(r.settled for r in rep_n)
+    assert [r.anomalies for r in rep_n] == [r.anomalies for r in rep_b]
+    assert "spike" in rep_b[SPIKE_AT].anomalies and rep_b[SPIKE_AT].dump is not None
+
+    # weights and optimizer state: bit for bit those of the run that did not take the steps
+    for (_, a), (_, b) in zip(sorted(mon_b.source.named_parameters()), sorted(model_n.named_parameters())):
+        assert torch.equal(a, b)
+    sb, sn = opt_b.state_dict()["state"], opt_n.state_dict()["state"]
+    assert len(sb) == len(sn) > 0
+    for k in sb:
+        assert all(torch.equal(sb[k][key], sn[k][key]) for key in sb[k])
+    assert float(sb[0]["step"]) == STEPS - len(skipped)
+
+    # the same records, in step order, and the same warnings and counters
+    assert len(rec_b) > STEPS // 10 and [r["step"] for r in rec_n] == sorted(r["step"] for r in rec_n)
+    for a, b in zip(rec_b, rec_n, strict=True):
+        for r in (a, b):
+            r["dump"] = r["dump"].rsplit("/", 1)[-1] if "dump" in r else None
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN as NaN
+    assert msg_b == msg_n and len(msg_b) >= 2
+    assert mon_b.counters() == mon_n.counters() and mon_n.counters()["skipped_steps"] == 2
+
+    # the same dumps: the ring as each anomalous step left it, and the same trigger
+    for rb, rn in zip(rep_b, rep_n, strict=True):
+        assert (rb.dump is None) == (rn.dump is None)
+        if rb.dump is not None:
+            db, dn = load_dump(rb.dump), load_dump(rn.dump)
+            hb, hn = ({k: v for k, v in d.header.items() if k != "created"} for d in (db, dn))
+            assert json.dumps(hb, sort_keys=True) == json.dumps(hn, sort_keys=True)  # trigger, bands, step
+            assert set(db.arrays) == set(dn.arrays) and len(db.arrays["steps"]) > 1
+            for key in db.arrays:
+                assert torch.equal(db.arrays[key].nan_to_num(7.0), dn.arrays[key].nan_to_num(7.0)), key
+
+
+def test_the_report_is_settled_at_the_next_step(tmp_path):
+    model = nn.Linear(4, 3)
+    opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
+    monitor = GradMonitor(model, on_nonfinite="skip", optimizer=opt, blocking=False, every=0)
+    model(torch.randn(2, 4)).sum().backward()
+    model.weight.grad[0, 0] = math.nan
+    before = model.weight.detach().clone()
+    report = monitor.step()
+    assert not report.settled and not report.skip and report.anomalies == []
+    opt.step()
+    assert torch.equal(model.weight, before)  # skipped on the device
+    with pytest.warns(RuntimeWarning, match="gradfuse step 0: optimizer step skipped"):
+        monitor.flush()
+    assert report.settled and report.skip and report.anomalies == ["nonfinite"] and "weight" in report.message
+
+
+def test_raise_at_the_next_step_naming_it():
+    model = nn.Linear(4, 3)
+    opt = gradfuse.optim.Adam(model.parameters(), lr=0.1)
+    monitor = GradMonitor(model, on_nonfinite="raise", optimizer=opt, blocking=False, every=0)
+    model(torch.randn(2, 4)).sum().backward()
+    model.bias.grad[1] = math.inf
+    before = [p.detach().clone() for p in model.parameters()]
+    monitor.step()
+    opt.step()  # not taken: raise skips on the device too
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(gradfuse.GradientAnomaly, match="step 0: non-finite gradients in 1 parameter.*bias"):
+        monitor.step()
+    assert opt.state_dict()["state"] == {}  # the skipped first step made no state
+
+
+def test_torch_fused_adamw_takes_the_skip_as_found_inf():
+    def train(blocking):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 5)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        monitor = GradMonitor(model, explode_threshold=50.0, optimizer=None if blocking else opt,
+                              blocking=blocking, every=0)
+        g = torch.Generator().manual_seed(3)
+        for step in range(6):
+            model(torch.randn(4, 6, generator=g)).square().sum().mul(1000.0 if step == 2 else 1.0).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                report = monitor.step()
+            if not (blocking and report.skip):
+                opt.step()
+            assert "found_inf" not in opt.__dict__
+            opt.zero_grad()
+        monitor.close()
+        return model, opt, monitor
+
+    mb, ob, monb = train(True)
+    mn, on, monn = train(False)
+    assert monb.skipped_steps == monn.skipped_steps == 1
+    for a, b in zip(mb.parameters(), mn.parameters()):
+        assert torch.equal(a, b)
+    for k, state in ob.state_dict()["state"].items():
+        assert all(torch.equal(v, on.state_dict()["state"][k][key]) for key, v in state.items())
+    assert float(ob.state_dict()["state"][0]["step"]) == 5
+
+
+def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())  # foreach: takes no found_inf
+    assert gradfuse.monitor.device_skip.device_skip_kind(opt) is None
+    with pytest.warns(RuntimeWarning, match="blocks as with blocking=True.*gradfuse.optim"):
+        monitor = GradMonitor(model, optimizer=opt, blocking=False)
+    model(torch.randn(2, 4)).sum().backward()
+    model.weight.grad[0, 0] = math.nan
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        report = monitor.step()
+    assert report.settled and report.skip  # decided at once, as with blocking=True
+    # policies that neither skip nor raise need no device skip: no warning, no block
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = GradMonitor(model, on_nonfinite="warn", blocking=False)
+    assert not quiet.step().settled
+
+
+@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(histogram=True), dict(activations=True),
+                                    dict(update_every=1, update_ratios=True)])
+def test_options_that_read_the_host_on_the_step_are_refused(option):
+    model = nn.Linear(4, 3)
+    opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="blocking=False does not take"):
+        GradMonitor(model, optimizer=opt, blocking=False, **option)
