@@ -9,7 +9,9 @@ with
 - ``full health``: the same monitor logging every step to a JSONL file with everything on: the
   exponent histograms and numeric headroom, the noise scale, the activations and the gradients
   flowing into them, the optimizer's update, weight and moment statistics per layer, and the
-  flight recorder (with the updates).
+  flight recorder (with the updates);
+- ``full health, gradfuse.optim``: the same with ``gradfuse.optim.AdamW`` (torch's AdamW bit for
+  bit, its step one fused pass), against the other variants' ``torch.optim.AdamW``.
 
 Each variant has its own copy of the model (the same initial weights) and its own AdamW, so that
 the activation hooks one variant arms never run in another's step; they take turns step by step
@@ -41,8 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradfuse  # noqa: E402
+import gradfuse.optim  # noqa: E402
 
-VARIANTS = ("torch clip", "monitor (clip)", "full health")
+VARIANTS = ("torch clip", "monitor (clip)", "full health", "full health, gradfuse.optim")
 
 
 def build(args):
@@ -57,14 +60,15 @@ def build(args):
 
 def make_step(name: str, model, tokens, tmp: str):
     """A step function for the variant (its own AdamW) and a closer."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    fused = name.endswith("gradfuse.optim")
+    opt = (gradfuse.optim.AdamW if fused else torch.optim.AdamW)(model.parameters(), lr=1e-4, weight_decay=0.1)
     monitor = None
     if name == "monitor (clip)":
         monitor = gradfuse.GradMonitor(model, max_norm=1.0, every=0)
-    elif name == "full health":
+    elif name.startswith("full health"):
         monitor = gradfuse.GradMonitor(
             model, max_norm=1.0, every=1, histogram=True, noise_scale=True, update_ratios=opt,
-            activations=True, sinks=[gradfuse.JsonlSink(os.path.join(tmp, "health.jsonl"))],
+            activations=True, sinks=[gradfuse.JsonlSink(os.path.join(tmp, f"health-{fused}.jsonl"))],
             recorder=gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp))
 
     def step():

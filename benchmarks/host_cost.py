@@ -59,6 +59,14 @@ def calls(count: int) -> dict:
     for label, source in (("named", named), ("module", model)):
         mon = gradfuse.GradMonitor(source, max_norm=HUGE, every=0, on_nonfinite="ignore")
         c[f"GradMonitor.step() ({label})"] = mon.step
+    if "blocking" in gradfuse.GradMonitor.__init__.__code__.co_varnames:  # the skip policy, read or on the device
+        from gradfuse.optim import SGD as FusedSGD
+        opt = FusedSGD(params, lr=0.0)
+        blocking = gradfuse.GradMonitor(named, max_norm=HUGE, every=0, on_nonfinite="skip")
+        deferred = gradfuse.GradMonitor(named, max_norm=HUGE, every=0, on_nonfinite="skip", optimizer=opt,
+                                        blocking=False)
+        c["GradMonitor.step(), on_nonfinite='skip' (named)"] = blocking.step
+        c["GradMonitor.step(), on_nonfinite='skip', blocking=False (named)"] = deferred.step
     if hasattr(gradfuse, "watch"):
         w_named, w_module = gradfuse.watch(named), gradfuse.watch(model)
         c["watch(named).stats()"] = w_named.stats

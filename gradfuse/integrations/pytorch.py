@@ -194,7 +194,10 @@ class Attachment:
             monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
         if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
             monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
-        self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused else None,
+        # blocking=False: the one optimizer takes the skip on the device (an accelerate loop reads
+        # step_was_skipped on the host for its scheduler: that one keeps the host's decision)
+        on_device = monitor_kwargs.get("blocking") is False and len(optimizers) == 1 and not any(accelerated)
+        self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused or on_device else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
         recorder = self.monitor.recorder

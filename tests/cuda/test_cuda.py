@@ -372,3 +372,37 @@ def test_fused_optimizer_on_cuda_equals_its_cpu_steps_in_float32(correctly_round
                 opt.step()
             for p, q in zip(cpu, gpu):
                 assert _same_bits(q.detach().cpu(), p.detach()), (name, step)
+
+
+def test_nonblocking_monitor_never_syncs_and_skips_on_the_device():
+    """GradMonitor(blocking=False) with gradfuse.optim.AdamW under torch's sync debug mode set to
+    "error" (any synchronising call raises): 30 steps, a planted NaN and a planted explosion,
+    skipped on the device; the host hears of them one step later."""
+    import gradfuse.optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+    opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = gradfuse.GradMonitor(model, max_norm=1.0, every=10, explode_threshold=1e4, optimizer=opt,
+                                   blocking=False)
+    xs = torch.randn(30, 16, 64, device="cuda")
+    torch.cuda.synchronize()
+    reports = []
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(30):
+                model(xs[step]).square().mean().backward()
+                if step == 7:
+                    model[0].weight.grad[0, 0] = math.nan
+                if step == 19:
+                    torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
+                reports.append(monitor.step())
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monitor.close()
+    assert [r.step for r in reports if r.skip] == [7, 19]
+    assert monitor.counters()["skipped_steps"] == 2
+    assert float(opt.state_dict()["state"][0]["step"]) == 28

@@ -234,3 +234,25 @@ def test_options_that_read_the_host_on_the_step_are_refused(option):
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="blocking=False does not take"):
         GradMonitor(model, optimizer=opt, blocking=False, **option)
+
+
+def test_attach_hands_the_skip_to_the_optimizers_step():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = gradfuse.attach(opt, model, max_norm=1.0, blocking=False)
+    weights = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            model(torch.randn(3, 5)).sum().backward()
+            if step == 2:
+                model.bias.grad[0] = math.nan
+            opt.step()  # the monitor runs first; the skip is applied inside this step
+            opt.zero_grad()
+            weights.append(model.weight.detach().clone())
+        handle.detach()
+    assert torch.equal(weights[1], weights[2]) and not torch.equal(weights[2], weights[3])
+    assert handle.monitor.counters()["skipped_steps"] == 1
+    assert any("gradfuse step 2: optimizer step skipped" in str(w.message) for w in caught)
+    assert float(opt.state_dict()["state"][0]["step"]) == 3
