@@ -11,7 +11,8 @@ with
   flowing into them, the optimizer's update, weight and moment statistics per layer, and the
   flight recorder (with the updates);
 - ``full health, gradfuse.optim``: the same with ``gradfuse.optim.AdamW`` (torch's AdamW bit for
-  bit, its step one fused pass), against the other variants' ``torch.optim.AdamW``.
+  bit, its step one fused pass) and ``fused_step=True`` (the clip applied inside that pass),
+  against the other variants' ``torch.optim.AdamW``.
 
 Each variant has its own copy of the model (the same initial weights) and its own AdamW, so that
 the activation hooks one variant arms never run in another's step; they take turns step by step
@@ -69,7 +70,8 @@ def make_step(name: str, model, tokens, tmp: str):
         monitor = gradfuse.GradMonitor(
             model, max_norm=1.0, every=1, histogram=True, noise_scale=True, update_ratios=opt,
             activations=True, sinks=[gradfuse.JsonlSink(os.path.join(tmp, f"health-{fused}.jsonl"))],
-            recorder=gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp))
+            recorder=gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp),
+            **({"optimizer": opt, "fused_step": True} if fused else {}))
 
     def step():
         loss = model(tokens, labels=tokens).loss

@@ -144,11 +144,17 @@ def scale_(grads: list[torch.Tensor], clip_coef: torch.Tensor) -> None:
 def scale_to_max_norm(s: GradStats, grads: list[torch.Tensor], max_norm: float) -> GradStats:
     """Scales ``grads`` (those ``s`` was taken of) so their total norm is at most ``max_norm``;
     returns ``s`` with ``clip_coef`` set. The scale pass runs only where the coefficient is < 1."""
+    s = with_clip_coefficient(s, max_norm)
+    scale_(grads, s.clip_coef)
+    return s
+
+
+def with_clip_coefficient(s: GradStats, max_norm: float) -> GradStats:
+    """``s`` with the ``clip_coef`` that clipping to ``max_norm`` applies (nothing scaled: for a
+    step that applies it as it reads the gradients, ``gradfuse.optim``'s ``grad_scale``)."""
     # The same arithmetic as torch.nn.utils.clip_grad_norm_, in the dtype of its total norm.
     # (A rank without gradients still gets the group's coefficient.)
-    clip_coef = clip_coefficient(s.plain_total_norm, max_norm)
-    scale_(grads, clip_coef)
-    return s.replace(clip_coef=clip_coef, max_norm=max_norm)
+    return s.replace(clip_coef=clip_coefficient(s.plain_total_norm, max_norm), max_norm=max_norm)
 
 
 def raise_if_nonfinite(s: GradStats) -> None:

@@ -280,3 +280,27 @@ def watch(source, *, norm_type: float = 2.0, group=None) -> GradWatch:
         ```
     """
     return GradWatch(source, norm_type=norm_type, group=group)
+
+
+def watch_source(model, norm_type: float, caller: str) -> tuple[object, GradWatch, dict[int, str]]:
+    """What a monitor watches, resolved once: ``model`` as it is kept (an iterable made a list,
+    iterated every step), its ``GradWatch`` (one given is used as it is), and the name of each
+    parameter by ``id``.
+
+    Raises:
+        ValueError: ``model`` is a ``GradWatch`` of another ``norm_type`` (``caller`` names who
+            asked).
+    """
+    if not isinstance(model, (nn.Module, torch.Tensor, GradWatch)):
+        model = list(model)
+    if isinstance(model, GradWatch):  # e.g. a FragmentWatch of DeepSpeed ZeRO's gradient fragments
+        if model.norm_type != norm_type:
+            raise ValueError(f"{caller}: the watch given has norm_type={model.norm_type}, the monitor "
+                             f"norm_type={norm_type}")
+        handle = model
+    else:
+        handle = watch(model, norm_type=norm_type)
+    named = model.named_parameters() if isinstance(model, nn.Module) else (
+        [] if isinstance(model, torch.Tensor) else
+        list(zip(model.names, model.params)) if isinstance(model, GradWatch) else model)
+    return model, handle, {id(item[1]): item[0] for item in named if isinstance(item, tuple)}

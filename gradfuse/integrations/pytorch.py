@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gradfuse.monitor.monitor import GradMonitor, StepReport
+from gradfuse.optim import from_torch
 
 # What torch's LRScheduler marks the optimizer step it wrapped with (torch/optim/lr_scheduler.py);
 # it warns when the step it finds at its first step lacks the mark.
@@ -197,6 +198,11 @@ class Attachment:
         # blocking=False: the one optimizer takes the skip on the device (an accelerate loop reads
         # step_was_skipped on the host for its scheduler: that one keeps the host's decision)
         on_device = monitor_kwargs.get("blocking") is False and len(optimizers) == 1 and not any(accelerated)
+        if monitor_kwargs.get("fused_step"):  # the clip rides the step: a gradfuse.optim optimizer, adopted in place
+            if len(optimizers) != 1 or any(accelerated):
+                raise ValueError("gradfuse.attach: fused_step=True takes one torch optimizer (not accelerate's)")
+            from_torch(optimizers[0])
+            on_device = True
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused or on_device else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"

@@ -15,6 +15,7 @@ from gradfuse.clip.value import check_clip_value
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.params import check_norm_type
 from gradfuse.monitor.policies import SPIKE_POLICIES, check_policy
+from gradfuse.optim import FusedStep
 
 
 class ClipArgs(NamedTuple):
@@ -62,7 +63,8 @@ def check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps) -> ClipA
 
 def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, explode_threshold, every: int,
                        sink_ranks, optimizer, scaler, max_update_rms, blocking: bool = True,
-                       reads_on_step: dict | None = None) -> None:
+                       reads_on_step: dict | None = None, fused_step: bool = False, max_norm=None,
+                       per=None) -> None:
     """The policy, logging and AMP arguments of ``GradMonitor``, checked.
 
     Raises:
@@ -70,8 +72,17 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
             ``explode_threshold`` not > 0; ``every`` < 0; ``sink_ranks`` neither a rank number
             nor ``"all"``; ``optimizer`` without ``scaler``, ``max_update_rms`` or
             ``blocking=False``; ``blocking=False`` with an option of ``reads_on_step`` (the
-            options that read the host on the step) set.
+            options that read the host on the step) set; ``fused_step`` without a
+            ``gradfuse.optim`` optimizer, with a ``max_norm`` that is not a number or a
+            schedule, with ``per``, or with ``scaler``.
     """
+    if fused_step:
+        if not isinstance(optimizer, FusedStep):
+            raise ValueError("gradfuse.GradMonitor: fused_step=True needs optimizer= a gradfuse.optim optimizer "
+                             f"(gradfuse.optim.from_torch adopts a torch one), got {type(optimizer).__qualname__}")
+        if max_norm is None or isinstance(max_norm, ZClip) or per is not None or scaler is not None:
+            raise ValueError("gradfuse.GradMonitor: fused_step=True rides the clip by the total norm: it takes a "
+                             "numeric or schedule max_norm, without per= or scaler=")
     if not isinstance(blocking, bool):
         raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
     on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
@@ -88,6 +99,6 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
     if not (sink_ranks == "all" or (isinstance(sink_ranks, int) and not isinstance(sink_ranks, bool)
                                     and sink_ranks >= 0)):
         raise ValueError(f"gradfuse.GradMonitor: sink_ranks must be a rank number or 'all', got {sink_ranks!r}")
-    if optimizer is not None and scaler is None and max_update_rms is None and blocking:
+    if optimizer is not None and scaler is None and max_update_rms is None and blocking and not fused_step:
         raise ValueError("gradfuse.GradMonitor: optimizer= is for the fused AMP unscale (pass scaler= too), "
-                         "max_update_rms or blocking=False")
+                         "max_update_rms, blocking=False or fused_step=True")

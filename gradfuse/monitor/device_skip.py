@@ -1,5 +1,7 @@
 """A monitor's skip applied on the device: the decision of a step (a 0-d bool on the gradients'
-device) handed to the optimizer's own step, so that the host never reads it before the step.
+device) handed to the optimizer's own step, so that the host never reads it before the step;
+and with ``GradMonitor(fused_step=True)`` the clip coefficient, handed to a ``gradfuse.optim``
+step as its ``grad_scale`` (the clip then costs no pass of its own).
 
 Which optimizers take it (``device_skip_kind``):
 
@@ -37,8 +39,9 @@ def device_skip_kind(optimizer) -> str | None:
 
 
 class DeviceSkip:
-    """Step pre- and post-hooks on ``optimizers`` that hand each one's next step the flag of
-    ``arm`` (each optimizer takes a flag once; the next ``arm`` gives the next round's).
+    """Step pre- and post-hooks on ``optimizers`` that hand each one's next step the flag (and
+    the gradient scale) of ``arm``: each optimizer takes them once; the next ``arm`` gives the next
+    round's.
 
     Args:
         optimizers: Optimizers of which ``device_skip_kind`` is not None.
@@ -47,25 +50,35 @@ class DeviceSkip:
     def __init__(self, optimizers):
         self.optimizers = list(optimizers)
         self._flag: torch.Tensor | None = None
+        self._grad_scale: torch.Tensor | None = None
         self._taken: set[int] = set()
         self._found_inf: dict[int, object] = {}  # what found_inf was before this hook set it
         self._handles = []
         for opt in self.optimizers:
             self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
 
-    def arm(self, flag: torch.Tensor | None) -> None:
-        """The flag of the coming round of steps (a 0-d bool on the device; None: none)."""
-        self._flag, self._taken = flag, set()
+    def arm(self, flag: torch.Tensor | None, grad_scale: torch.Tensor | None = None) -> None:
+        """The flag of the coming round of steps (a 0-d bool on the device; None: none), and the
+        0-d gradient scale its ``gradfuse.optim`` steps apply as they read the gradients (None:
+        none)."""
+        self._flag, self._grad_scale, self._taken = flag, grad_scale, set()
 
     def _pre(self, optimizer, args, kwargs):
-        flag = self._flag
-        if flag is None or id(optimizer) in self._taken:
+        flag, scale = self._flag, self._grad_scale
+        if (flag is None and scale is None) or id(optimizer) in self._taken:
             return None
         self._taken.add(id(optimizer))
         if isinstance(optimizer, FusedStep):
-            given = kwargs.get("skip")
-            skip = flag if given is None else flag | given.to(flag.device).reshape(()).bool()
-            return args, {**kwargs, "skip": skip}
+            kwargs = dict(kwargs)
+            if flag is not None:
+                given = kwargs.get("skip")
+                kwargs["skip"] = flag if given is None else flag | given.to(flag.device).reshape(()).bool()
+            if scale is not None:
+                given = kwargs.get("grad_scale")
+                kwargs["grad_scale"] = scale if given is None else scale * given.to(scale.device)
+            return args, kwargs
+        if flag is None:
+            return None
         found = optimizer.__dict__.get("found_inf")  # a GradScaler's, when it steps the optimizer
         self._found_inf[id(optimizer)] = found
         mine = flag.to(torch.float32)

@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from gradfuse.core.amp import scaler_unscaled
-from gradfuse.core.watch import GradWatch, watch
+from gradfuse.core.watch import watch_source
 from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
 from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message, max_norm_of_step
 from gradfuse.monitor.deferred import Pending, device_skip_flag, device_skip_for
+from gradfuse.monitor.device_skip import DeviceSkip
 from gradfuse.monitor.dynamics import Dynamics
 from gradfuse.monitor.policies import Decision, anomaly_flags, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
@@ -162,6 +163,14 @@ class GradMonitor:
             once and blocks as with True. Not with ``noise_scale``, ``update_ratios``,
             ``update_every``, ``max_update_rms``, ``histogram``, ``activations`` or
             ``trace_nonfinite``, which read the host on the step.
+        fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
+            parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
+            the optimizer's fused step. The monitor takes the statistics and the coefficient, and
+            the step applies the coefficient as it reads each gradient (its ``grad_scale``), so
+            clipping costs no pass of its own. ``p.grad`` then keeps the unclipped gradient (the
+            statistics, the record and ``clipped_steps`` are those of the clip). Weights and state
+            are bit for bit those of clipping first (``gradfuse.attach(..., fused_step=True)``
+            adopts a torch SGD / Adam / AdamW with ``gradfuse.optim.from_torch``).
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -240,27 +249,20 @@ class GradMonitor:
                  max_update_rms: float | None = None,
                  activations: bool = False, trace_nonfinite: bool = False, activation_modules=None,
                  module: nn.Module | None = None, sink_ranks: int | str = 0, recorder=None,
-                 on_spike: str = "warn", blocking: bool = True):
+                 on_spike: str = "warn", blocking: bool = True, fused_step: bool = False):
         check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
                            optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
                            reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios, histogram=histogram,
                                               update_every=update_every, max_update_rms=max_update_rms,
-                                              activations=activations, trace_nonfinite=trace_nonfinite))
+                                              activations=activations, trace_nonfinite=trace_nonfinite),
+                           fused_step=fused_step, max_norm=max_norm, per=per)
         clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
         self.recorder = flight.as_recorder(recorder)
         self.on_spike, self.spike_steps = (on_spike if self.recorder is not None else "ignore"), 0
-        if not isinstance(model, (nn.Module, torch.Tensor, GradWatch)):
-            model = list(model)  # iterated every step
-        self.source = model
-        if isinstance(model, GradWatch):  # e.g. a FragmentWatch of DeepSpeed ZeRO's gradient fragments
-            if model.norm_type != self.norm_type:
-                raise ValueError(f"gradfuse.GradMonitor: the watch given has norm_type={model.norm_type}, "
-                                 f"the monitor norm_type={self.norm_type}")
-            self._watch = model
-        else:
-            self._watch = watch(model, norm_type=self.norm_type)  # parameters resolved once, not per step
+        # parameters resolved once, not per step
+        self.source, self._watch, self._names_by_param = watch_source(model, self.norm_type, "gradfuse.GradMonitor")
         self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
         self._double_clip = (DoubleClipCheck(self._watch.params, self._watch.names)
                              if check_double_clip and clip.modes else None)
@@ -276,10 +278,6 @@ class GradMonitor:
         self.layer_depth = layer_depth
         self.scaler = scaler
         self.optimizer = optimizer
-        named = model.named_parameters() if isinstance(model, nn.Module) else (
-            [] if isinstance(model, torch.Tensor) else
-            list(zip(model.names, model.params)) if isinstance(model, GradWatch) else model)
-        self._names_by_param = {id(item[1]): item[0] for item in named if isinstance(item, tuple)}
         self.enabled = enabled
         self.histogram = histogram  # exponent histograms and headroom on logging steps
         self.step_count = start_step
@@ -300,12 +298,15 @@ class GradMonitor:
                                      update_every=update_every, max_update_rms=max_update_rms)
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
                          self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
-        # blocking=False: the skip handed to the optimizer's step, and the step not yet settled
-        self._device_skip = device_skip_for(self, optimizer) if not blocking else None
+        # blocking=False: the skip handed to the optimizer's step, and the step not yet settled;
+        # fused_step=True: the clip coefficient handed to it
+        hook = device_skip_for(self, optimizer) if not blocking else None
+        self._defers, self.fused_step = hook is not None, fused_step
+        self._step_hook = hook or (DeviceSkip([optimizer]) if fused_step else None)
         self._pending: Pending | None = None
         self._act_hooks = None
         if activations or trace_nonfinite:
-            self._act_hooks = MonitorHooks(module if module is not None else model, activation_modules,
+            self._act_hooks = MonitorHooks(module if module is not None else self.source, activation_modules,
                                            activations=activations, trace_nonfinite=trace_nonfinite,
                                            histogram=histogram)
             if enabled:  # the first step's forward and backward come before its step()
@@ -356,7 +357,7 @@ class GradMonitor:
         """Steps on which clipping scaled the gradients, an int (reads a device counter: one
         host sync; with ``blocking=False`` none: the steps settled so far), including those
         restored by ``load_state_dict``."""
-        live = self._clipped is not None and self._device_skip is None  # blocking=False: counted on settling
+        live = self._clipped is not None and not self._defers  # blocking=False: counted on settling
         return self._clipped_restored + (int(self._clipped) if live else 0)
 
     @property
@@ -450,7 +451,7 @@ class GradMonitor:
         if self._act_hooks is not None:  # hooks for the next step's forward and backward
             self._act_hooks.arm(full=log is None and self.every > 0 and (step + 1) % self.every == 0)
         flight.observe(self.recorder, step, report, loss)
-        if self._device_skip is not None:
+        if self._defers:
             self._defer(plan, report, capture)
         else:
             self._finish(plan, report, self._apply_policies(plan, report, capture))
@@ -477,7 +478,7 @@ class GradMonitor:
         self._max_norm_now = max_norm
         return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
                          max_norm=max_norm, bad_max_norm=bad_max_norm,
-                         needs_flag=self._needs_flag() and self._device_skip is None)
+                         needs_flag=self._needs_flag() and not self._defers, fused_step=self.fused_step)
 
     def _apply_policies(self, plan: StepPlan, report: StepReport, capture, pending: Pending | None = None) -> Decision:
         """The anomalies of the step and what the policies make of them: the counters, the
@@ -519,12 +520,14 @@ class GradMonitor:
             warn(f"gradfuse step {report.step}: {report.message}")
         return decision
 
-    def _clip(self, plan: StepPlan, report: StepReport) -> None:
+    def _clip(self, plan: StepPlan, report: StepReport, skip: torch.Tensor | None = None) -> torch.Tensor | None:
         """Clips unless the step is skipped (or the scaler's to skip), finishes the fused AMP
         unscale, and counts a clipped step (its statistics then become the report's)."""
         clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
         s = plan.clip(report.stats, clip)
+        if self._step_hook is not None:  # what the optimizer's step takes on the device
+            self._step_hook.arm(skip, s.clip_coef if clip and plan.ride else None)
         if clip and s.clipped is not None:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
@@ -545,8 +548,7 @@ class GradMonitor:
             raise plan.bad_max_norm  # a schedule's value is the host's own: nothing to wait for
         flags = self._flags(s) if self._needs_flag() and len(s) else None
         skip = device_skip_flag(flags, self, bad_max_norm=plan.bad_max_norm is not None)
-        self._device_skip.arm(skip)
-        clipped = self._clip(plan, report)
+        clipped = self._clip(plan, report, skip)
         snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
                                       copy_stats=bool(self.sinks) and (plan.log_now or flags is not None))

@@ -7,7 +7,8 @@ gradients stay scaled until the clip); with a total-norm ``max_norm`` and no pol
 before clipping, statistics and clip in one call; with ``clip_value`` (order 2, no policy to
 decide), the clamp with the statistics from before clamping; else the statistics alone, and the
 clip (by the total norm, or the other modes of ``gradfuse.monitor.clip_strategy``) after the
-policies.
+policies. With ``fused_step=True`` the total-norm clip is its coefficient alone: the optimizer's
+fused step applies it as it reads the gradients (no scaling pass).
 
 Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.clip`` and the monitor's clip strategy.
 """
@@ -20,6 +21,7 @@ import torch
 from gradfuse.clip.schedule import ScheduleError
 from gradfuse.clip.value import clamp_stats_
 from gradfuse.core import amp
+from gradfuse.core.engine import with_clip_coefficient
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.watch import GradWatch
 from gradfuse.monitor.clip_strategy import clip_other_modes_
@@ -43,6 +45,7 @@ class StepPlan:
     plain: bool  # clip by the total norm
     clip_now: bool  # statistics and clip in one call
     value_now: bool  # clamp in one pass, with the statistics from before clamping
+    ride: bool  # the clip rides the optimizer's fused step: the coefficient only, no scaling pass
     grads: list | None = None  # the fused AMP path: the gradients it unscales, and the inverse scale
     inv_scale: torch.Tensor | None = None
 
@@ -84,7 +87,7 @@ class StepPlan:
             s = amp.finish_unscale_(m.scaler, m.optimizer, self.grads, s, self.inv_scale,
                                     self.max_norm if clip and self.plain else None)
         elif clip and self.plain and not self.clip_now:
-            s = self.watch.clip_to(s, self.max_norm)
+            s = with_clip_coefficient(s, self.max_norm) if self.ride else self.watch.clip_to(s, self.max_norm)
         if clip and not self.plain and not self.value_now:  # the other modes
             s = clip_other_modes_(s, self.watch, self.max_norm, per=m.per, layer_depth=m.layer_depth,
                                   clip_value=m.clip_value, agc=m.agc)
@@ -92,7 +95,7 @@ class StepPlan:
 
 
 def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool, fused_unscale: bool,
-              max_norm, bad_max_norm: ScheduleError | None, needs_flag: bool) -> StepPlan:
+              max_norm, bad_max_norm: ScheduleError | None, needs_flag: bool, fused_step: bool = False) -> StepPlan:
     """The plan of one step of ``monitor``.
 
     Args:
@@ -105,6 +108,7 @@ def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool,
         max_norm: This step's ``max_norm`` (a float, a ``ZClip`` or None).
         bad_max_norm: The error of a bad ``max_norm`` schedule value, or None.
         needs_flag: A policy decides before the clip (no clip in the statistics pass).
+        fused_step: The clip rides the optimizer's fused step (``GradMonitor(fused_step=True)``).
 
     Returns:
         The ``StepPlan``.
@@ -113,9 +117,10 @@ def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool,
     # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
     rows = bool(log_now and monitor.sinks)
     plain = isinstance(max_norm, float) and monitor.per is None
+    ride = fused_step and plain and not fused_unscale
     # With no policy to apply before clipping, statistics and clip are one call.
-    clip_now = not fused_unscale and plain and not needs_flag
+    clip_now = not fused_unscale and plain and not needs_flag and not ride
     value_now = (not fused_unscale and monitor.clip_value is not None and not needs_flag
                  and monitor.norm_type == 2.0)
     return StepPlan(monitor, watch, names_by_param, log_now, rows, fused_unscale, max_norm, bad_max_norm,
-                    plain, clip_now, value_now)
+                    plain, clip_now, value_now, ride)
