@@ -15,6 +15,7 @@
 #include "../common/step_math.h"
 #include "cpu_capability.h"
 #include "step_kernels.h"
+#include "update_group.h"
 
 // MKL's vector square roots, which torch's CPU sqrt of float and double calls on builds of torch
 // with MKL (ATen/cpu/vml.h: VML_HA, within an ulp but not always correctly rounded). libtorch_cpu
@@ -47,32 +48,6 @@ StepChunksFn step_kernel_for(const std::string& isa) {
   return DEFAULT::step_chunks;
 }
 
-// Below this many bytes per thread a call runs on the calling thread.
-constexpr int64_t kMinBytesPerThread = 1 << 20;
-// Bytes per block of chunks that a thread takes at a time.
-constexpr int64_t kBlockBytes = 4 << 20;
-
-// Calls f(begin, end) over every chunk, once each, in blocks that the threads take in turn from a
-// shared counter; every chunk writes only its own elements and partial row, so the results
-// depend neither on the thread count nor on the order.
-template <typename F>
-void for_step_chunks(int64_t chunks, int64_t bytes, F&& f) {
-  bytes = std::max<int64_t>(bytes, 1);
-  const int64_t block = std::max<int64_t>(1, (chunks * kBlockBytes + bytes - 1) / bytes);
-  const int64_t num_blocks = (chunks + block - 1) / block;
-  if (bytes < 2 * kMinBytesPerThread || num_blocks <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    if (chunks > 0) f(int64_t{0}, chunks);
-    return;
-  }
-  std::atomic<int64_t> next_block{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t b = next_block.fetch_add(1); b < num_blocks; b = next_block.fetch_add(1)) {
-      f(b * block, std::min(chunks, (b + 1) * block));
-    }
-  });
-}
-
 std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
     at::TensorList params, at::TensorList grads, at::TensorList moment1, at::TensorList moment2,
     at::TensorList moment2_max, const at::Tensor& coefs, int64_t rule, int64_t torch_threads,
@@ -86,32 +61,17 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
   // a skipped step writes nothing; its statistics are those of the step it did not take
   if (skip.has_value() && skip->to(at::kDouble).item<double>() != 0.0) write = false;
   if (n == 0 || (!write && !stats)) return {out_f, out_c};
-  std::vector<Span> p(n), g(n), m(n), v(n), x(n);
-  const auto span_of = [](const at::Tensor& t) {
-    return t.numel() > 0 ? Span{t.data_ptr(), t.numel()} : Span{nullptr, 0};
-  };
-  int64_t bytes = 0;
+  UpdateGroup grp = update_group(params, grads, moment1, moment2, moment2_max);
   const auto dtype = params[0].scalar_type();
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = span_of(params[i]);
-    g[i] = span_of(grads[i]);
-    m[i] = span_of(moment1[i]);
-    v[i] = span_of(moment2[i]);
-    x[i] = span_of(moment2_max[i]);
-    int64_t arrays = 2;
-    for (const Span* s : {&m[i], &v[i], &x[i]}) arrays += s->numel > 0;
-    bytes += params[i].numel() * static_cast<int64_t>(c10::elementSize(dtype)) * arrays;
-  }
-  const ChunkPlan plan = make_chunk_plan(p);
   const at::Tensor update_dense = update_coefs.has_value() ? update_coefs->contiguous() : at::Tensor();
-  const StepArgs args{p.data(),
-                      g.data(),
-                      m.data(),
-                      v.data(),
-                      x.data(),
+  const StepArgs args{grp.params.data(),
+                      grp.grads.data(),
+                      grp.moment1.data(),
+                      grp.moment2.data(),
+                      grp.moment2_max.data(),
                       coefs.const_data_ptr<double>(),
                       n,
-                      plan.first_chunk.data(),
+                      grp.plan.first_chunk.data(),
                       dtype,
                       static_cast<UpdateRule>(rule),
                       torch_threads,
@@ -122,9 +82,9 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
                       step_torch_sqrt() ? torch_sqrt_f32 : nullptr,
                       step_torch_sqrt() ? torch_sqrt_f64 : nullptr};
   const StepChunksFn kern = step_kernel_for(active_cpu_capability());
-  const int64_t chunks = plan.num_chunks();
+  const int64_t chunks = grp.plan.num_chunks();
   if (!stats) {
-    for_step_chunks(chunks, bytes, [&](int64_t b, int64_t e) { kern(args, b, e, nullptr, nullptr); });
+    for_chunk_blocks(grp, [&](int64_t b, int64_t e) { kern(args, b, e, nullptr, nullptr); });
     return {out_f, out_c};
   }
   // one partial row per chunk, combined per tensor in chunk order (as the update-stats op)
@@ -132,24 +92,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
   auto part_c = at::empty({chunks, kNumUpdateCountStats}, at::dtype(at::kLong));
   void* fp = part_f.data_ptr();
   int64_t* cp = part_c.data_ptr<int64_t>();
-  for_step_chunks(chunks, bytes, [&](int64_t b, int64_t e) { kern(args, b, e, fp, cp); });
-  double* of = out_f.data_ptr<double>();
-  int64_t* oc = out_c.data_ptr<int64_t>();
-  const auto finalize = [&](const auto* pf) {
-    using acc_t = std::remove_const_t<std::remove_pointer_t<decltype(pf)>>;
-    for (int64_t t = 0; t < n; ++t) {
-      UpdateAcc<double> s;
-      for (int64_t c = plan.first_chunk[t]; c < plan.first_chunk[t + 1]; ++c) {
-        s.combine(UpdateAcc<acc_t>::load(pf + c * kNumUpdateFloatStats, cp + c * kNumUpdateCountStats));
-      }
-      s.store(of + t * kNumUpdateFloatStats, oc + t * kNumUpdateCountStats);
-      oc[t * kNumUpdateCountStats + kUpdateNumel] = p[t].numel;
-    }
-  };
+  for_chunk_blocks(grp, [&](int64_t b, int64_t e) { kern(args, b, e, fp, cp); });
   if (dtype == at::kDouble) {
-    finalize(part_f.const_data_ptr<double>());
+    finalize_update_rows(grp, part_f.const_data_ptr<double>(), cp, out_f.data_ptr<double>(), out_c.data_ptr<int64_t>());
   } else {
-    finalize(part_f.const_data_ptr<float>());
+    finalize_update_rows(grp, part_f.const_data_ptr<float>(), cp, out_f.data_ptr<double>(), out_c.data_ptr<int64_t>());
   }
   return {out_f, out_c};
 }

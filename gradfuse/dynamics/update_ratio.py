@@ -95,8 +95,34 @@ class UpdateRatios:
         names_of = self._names()
         if not names_of:
             return None
-        rows = planned_rows = plan_updates(self.optimizers)
+        rows = plan_updates(self.optimizers)
         self.passes += 1
+        return self._captured(rows, names_of, applied)
+
+    def from_step(self, step_rows: list, applied: bool = True) -> dict | None:
+        """What ``capture`` gives, from the rows a ``gradfuse.optim`` step took in its own pass
+        (``optimizer.last_rows``, after ``optimizer.step(stats=True)``): no pass of its own.
+        ``step_rows``: the ``StepRows`` of the step of ``optimizers`` (one optimizer)."""
+        if self.unavailable:
+            return None
+        names_of = self._names()
+        if not names_of:
+            return None
+        momentum = {id(p): not isinstance(opt, torch.optim.SGD) or group["momentum"] != 0
+                    for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
+        params = [p for r in step_rows for p in r.params]
+        device = step_rows[0].floats.device if step_rows else None
+        floats = [torch.zeros((0, NUM_UPDATE_FLOAT_STATS), dtype=torch.float64)] + [r.floats for r in step_rows]
+        counts = [torch.zeros((0, NUM_UPDATE_COUNT_STATS), dtype=torch.int64)] + [r.counts for r in step_rows]
+        rows = UpdateRows(params, torch.cat([f.to(device) for f in floats]), torch.cat([c.to(device) for c in counts]),
+                          [not isinstance(self.optimizers[0], torch.optim.SGD)] * len(params),
+                          [momentum[id(p)] for p in params])
+        return self._captured(rows, names_of, applied)
+
+    def _captured(self, rows: UpdateRows, names_of: dict[int, str], applied: bool) -> dict:
+        """The captured dict of ``rows`` (the parameters a step changes), with the rows of the
+        parameters it leaves alone after them."""
+        planned_rows = rows
         planned = {id(p) for p in rows.params}
         rest = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]
                 if id(p) not in planned]

@@ -51,6 +51,7 @@ class DeviceSkip:
         self.optimizers = list(optimizers)
         self._flag: torch.Tensor | None = None
         self._grad_scale: torch.Tensor | None = None
+        self._after = None  # called with the step's rows (optimizer.last_rows) once it stepped
         self._taken: set[int] = set()
         self._found_inf: dict[int, object] = {}  # what found_inf was before this hook set it
         self._handles = []
@@ -63,9 +64,21 @@ class DeviceSkip:
         none)."""
         self._flag, self._grad_scale, self._taken = flag, grad_scale, set()
 
+    def after_step(self, callback) -> None:
+        """The coming ``gradfuse.optim`` step also takes its update statistics (``stats=True``),
+        and ``callback(optimizer.last_rows)`` runs once it has stepped (``finish`` runs it with
+        None if it does not)."""
+        self._after = callback
+
+    def finish(self) -> None:
+        """Runs a callback of ``after_step`` whose step never came, with None."""
+        callback, self._after = self._after, None
+        if callback is not None:
+            callback(None)
+
     def _pre(self, optimizer, args, kwargs):
         flag, scale = self._flag, self._grad_scale
-        if (flag is None and scale is None) or id(optimizer) in self._taken:
+        if (flag is None and scale is None and self._after is None) or id(optimizer) in self._taken:
             return None
         self._taken.add(id(optimizer))
         if isinstance(optimizer, FusedStep):
@@ -76,6 +89,8 @@ class DeviceSkip:
             if scale is not None:
                 given = kwargs.get("grad_scale")
                 kwargs["grad_scale"] = scale if given is None else scale * given.to(scale.device)
+            if self._after is not None:
+                kwargs["stats"] = True
             return args, kwargs
         if flag is None:
             return None
@@ -86,6 +101,9 @@ class DeviceSkip:
         return None
 
     def _post(self, optimizer, args, kwargs) -> None:
+        if self._after is not None and isinstance(optimizer, FusedStep):
+            callback, self._after = self._after, None
+            callback(optimizer.last_rows)
         if id(optimizer) not in self._found_inf:
             return
         found = self._found_inf.pop(id(optimizer))

@@ -79,11 +79,14 @@ class Dynamics:
         if self.noise_scale is not None:
             self.noise_scale.after_backward(watch)
 
-    def on_step(self, report, log_now: bool, loss_scale=None, need_updates: bool = False) -> None:
+    def on_step(self, report, log_now: bool, loss_scale=None, need_updates: bool = False,
+                from_step: bool = False) -> bool:
         """After the monitor's statistics and clip, before the optimizer steps; ``loss_scale``:
         the GradScaler's scale tensor when AMP scales the gradients; ``need_updates``: the flight
         recorder records this step's update (taken here, in the same pass, when the optimizers
-        are the same). The update statistics go into ``report.updates``."""
+        are the same). The update statistics go into ``report.updates``. ``from_step``: the
+        optimizer's own step takes them (a ``gradfuse.optim`` step with ``stats=True``): returns
+        whether this step wants them, for ``take_step_rows`` after the step."""
         s = report.stats
         skipped = report.skip or "amp_overflow" in report.anomalies or s is None
         ns = self.noise_scale
@@ -98,7 +101,9 @@ class Dynamics:
         if clip is not None and skipped:
             clip.cancel()  # the optimizer does not step: nothing to rescale
         if ur is None or not (capture or every or need_updates or (clip is not None and not skipped)):
-            return
+            return False
+        if from_step and not skipped and clip is None:
+            return True
         got = ur.capture(applied=not skipped)
         if got is not None and clip is not None and not skipped:
             rows = got["rows"]
@@ -108,6 +113,14 @@ class Dynamics:
             floats = rows.floats.clone()
             floats[:, UPDATE_SUMSQ] = floats[:, UPDATE_SUMSQ] * scale
             got = {**got, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}
+        self._captured = None if got is None else (report.step, got)
+        report.updates = got
+        return False
+
+    def take_step_rows(self, report, step_rows: list) -> None:
+        """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took
+        (``optimizer.last_rows``), into ``report.updates``: what ``on_step`` would have taken."""
+        got = self.update_ratios.from_step(step_rows)
         self._captured = None if got is None else (report.step, got)
         report.updates = got
 

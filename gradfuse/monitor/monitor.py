@@ -170,7 +170,10 @@ class GradMonitor:
             clipping costs no pass of its own. ``p.grad`` then keeps the unclipped gradient (the
             statistics, the record and ``clipped_steps`` are those of the clip). Weights and state
             are bit for bit those of clipping first (``gradfuse.attach(..., fused_step=True)``
-            adopts a torch SGD / Adam / AdamW with ``gradfuse.optim.from_torch``).
+            adopts a torch SGD / Adam / AdamW with ``gradfuse.optim.from_torch``). With
+            ``update_ratios`` of that optimizer (and no ``max_update_rms``) its update statistics
+            ride the step too (``stats=True``): no update-statistics pass; the step's record and
+            flight-recorder row are then written once the optimizer has stepped.
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -281,11 +284,8 @@ class GradMonitor:
         self.enabled = enabled
         self.histogram = histogram  # exponent histograms and headroom on logging steps
         self.step_count = start_step
-        self.skipped_steps = 0
-        self.anomaly_steps = 0
-        self.nonfinite_steps = 0
-        self.explode_steps = 0
-        self.amp_overflow_steps = 0
+        self.skipped_steps = self.anomaly_steps = self.nonfinite_steps = 0
+        self.explode_steps = self.amp_overflow_steps = 0
         self._clipped_restored = 0  # clipped steps counted on the host (load_state_dict; blocking=False)
         self._clipped = None  # device counter: reading it syncs, counting it does not
         self._restored = False
@@ -303,6 +303,8 @@ class GradMonitor:
         hook = device_skip_for(self, optimizer) if not blocking else None
         self._defers, self.fused_step = hook is not None, fused_step
         self._step_hook = hook or (DeviceSkip([optimizer]) if fused_step else None)
+        ur = None if self.dynamics is None else self.dynamics.update_ratios  # fused_step: it takes the updates too
+        self._rides_updates = fused_step and ur is not None and ur.optimizers == [optimizer]
         self._pending: Pending | None = None
         self._act_hooks = None
         if activations or trace_nonfinite:
@@ -522,7 +524,9 @@ class GradMonitor:
 
     def _clip(self, plan: StepPlan, report: StepReport, skip: torch.Tensor | None = None) -> torch.Tensor | None:
         """Clips unless the step is skipped (or the scaler's to skip), finishes the fused AMP
-        unscale, and counts a clipped step (its statistics then become the report's)."""
+        unscale, hands the optimizer's step what it takes on the device (``skip``, the clip
+        coefficient with ``fused_step``), and counts a clipped step (its statistics then become
+        the report's); returns the step's 0-d clipped bit, or None."""
         clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
         s = plan.clip(report.stats, clip)
@@ -556,6 +560,8 @@ class GradMonitor:
     def _settle(self) -> None:
         """``blocking=False``: the previous step, acted on from its host copies: its decision
         (counters, message, a raise or a warning), its dump and its record."""
+        if self._step_hook is not None:
+            self._step_hook.finish()  # a step whose optimizer never stepped: its record all the same
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -573,9 +579,19 @@ class GradMonitor:
         """The clip, the dynamics of the step, and its record to the sinks on logging steps and
         on anomalies a policy acted on."""
         self._clip(plan, report)
-        if self.dynamics is not None:
-            self.dynamics.on_step(report, plan.log_now, self.scaler._scale if self._amp_active() else None,
-                                  need_updates=flight.wants_updates(self.recorder))
+        if self.dynamics is not None and self.dynamics.on_step(
+                report, plan.log_now, self.scaler._scale if self._amp_active() else None,
+                need_updates=flight.wants_updates(self.recorder), from_step=self._rides_updates):
+            # the update statistics ride the optimizer's step: the rest of this step follows it
+            self._step_hook.after_step(lambda rows: self._commit(plan, report, decision, rows))
+            return
+        self._commit(plan, report, decision)
+
+    def _commit(self, plan: StepPlan, report: StepReport, decision: Decision, step_rows=None) -> None:
+        """The flight recorder's row of the step and its record (with ``step_rows``, the update
+        statistics its ``gradfuse.optim`` step took)."""
+        if step_rows is not None:
+            self.dynamics.take_step_rows(report, step_rows)
         flight.commit_step(self.recorder, report, decision, dynamics=self.dynamics)
         if plan.log_now or (report.anomalies and decision.policies):
             self._write(report, event=bool(report.anomalies))

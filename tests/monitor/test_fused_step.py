@@ -98,3 +98,40 @@ def test_what_fused_step_refuses(kwargs, match):
         kwargs = {**kwargs, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     with pytest.raises(ValueError, match=match):
         GradMonitor(model, **{"max_norm": 1.0, "optimizer": opt, "fused_step": True, **kwargs})
+
+
+def test_the_update_statistics_ride_the_step(tmp_path):
+    """With update_ratios (and a flight recorder recording the updates), the step's own rows
+    replace the update-statistics pass: the records hold the same per-layer values, within float32
+    rounding (the pass predicts the update in its own arithmetic; the step's rows measure the
+    update it applied)."""
+    def run(fused_step):
+        model, xs = model_and_batches()
+        opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2)
+        log = tmp_path / f"updates-{fused_step}.jsonl"
+        recorder = gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp_path)
+        monitor = GradMonitor(model, max_norm=0.5, every=2, sinks=[JsonlSink(log)], update_ratios=opt,
+                              recorder=recorder, optimizer=opt if fused_step else None, fused_step=fused_step)
+        for x in xs:
+            model(x).square().sum().mul(10.0).backward()
+            monitor.step()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        return model, monitor, records, recorder.unroll()[1]
+
+    m0, mon0, rec0, ring0 = run(False)
+    m1, mon1, rec1, ring1 = run(True)
+    assert mon0.dynamics.update_ratios.passes >= 3 and mon1.dynamics.update_ratios.passes == 0
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    logged = [r for r in rec1 if "update_rms" in r]
+    assert len(logged) == len(rec0) >= 3 and [r["step"] for r in rec0] == [r["step"] for r in rec1]
+    for a, b in zip(rec0, rec1, strict=True):
+        for field in ("update_ratio", "update_rms", "weight_norm", "moment1_rms", "moment2_rms", "eps_dominated"):
+            assert a[field].keys() == b[field].keys() and a[field], field
+            for layer, value in a[field].items():
+                assert b[field][layer] == pytest.approx(value, rel=1e-5, abs=1e-12), (field, layer)
+    assert torch.allclose(ring0["layers"], ring1["layers"], rtol=1e-5, atol=1e-12, equal_nan=True)
+    assert torch.isfinite(ring1["layers"][:, :, 3]).any()  # the update columns were filled
