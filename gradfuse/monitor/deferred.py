@@ -15,20 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from gradfuse.core.host_copy import HostCopy
-from gradfuse.monitor.device_skip import DeviceSkip, device_skip_kind
+from gradfuse.monitor.device_skip import StepHandoff, device_skip_kind
 from gradfuse.monitor.policies import skip_bits
 from gradfuse.utils import warn
 
 
-def device_skip_for(monitor, optimizer) -> DeviceSkip | None:
-    """The ``DeviceSkip`` of a ``blocking=False`` monitor, or None when it must block: a policy
+def device_skip_for(monitor, optimizer) -> StepHandoff | None:
+    """The ``StepHandoff`` of a ``blocking=False`` monitor, or None when it must block: a policy
     can skip (or raise) and ``optimizer`` cannot take a skip on the device (warned once, with
     what would avoid it)."""
     can_skip = skip_bits(monitor.on_nonfinite, monitor.on_explode, monitor.on_spike, amp_active=False) != 0
     if optimizer is not None and device_skip_kind(optimizer) is not None:
-        return DeviceSkip([optimizer])
+        return StepHandoff([optimizer])
     if not can_skip:
-        return DeviceSkip([])
+        return StepHandoff([])
     what = "no optimizer=" if optimizer is None else f"a {type(optimizer).__qualname__}"
     warn(f"gradfuse.GradMonitor(blocking=False): with {what}, a policy that skips or raises needs the host to read "
          "its decision before the optimizer steps, so this monitor blocks as with blocking=True. Pass optimizer= "

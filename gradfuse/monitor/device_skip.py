@@ -38,7 +38,7 @@ def device_skip_kind(optimizer) -> str | None:
     return None
 
 
-class DeviceSkip:
+class StepHandoff:
     """Step pre- and post-hooks on ``optimizers`` that hand each one's next step the flag (and
     the gradient scale) of ``arm``: each optimizer takes them once; the next ``arm`` gives the next
     round's.

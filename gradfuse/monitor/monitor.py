@@ -31,7 +31,7 @@ from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
 from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message, max_norm_of_step
 from gradfuse.monitor.deferred import Pending, device_skip_flag, device_skip_for
-from gradfuse.monitor.device_skip import DeviceSkip
+from gradfuse.monitor.device_skip import StepHandoff
 from gradfuse.monitor.dynamics import Dynamics
 from gradfuse.monitor.policies import Decision, anomaly_flags, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
@@ -302,7 +302,7 @@ class GradMonitor:
         # fused_step=True: the clip coefficient handed to it
         hook = device_skip_for(self, optimizer) if not blocking else None
         self._defers, self.fused_step = hook is not None, fused_step
-        self._step_hook = hook or (DeviceSkip([optimizer]) if fused_step else None)
+        self._step_hook = hook or StepHandoff([optimizer] if fused_step else [])
         ur = None if self.dynamics is None else self.dynamics.update_ratios  # fused_step: it takes the updates too
         self._rides_updates = fused_step and ur is not None and ur.optimizers == [optimizer]
         self._pending: Pending | None = None
@@ -530,8 +530,7 @@ class GradMonitor:
         clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
         s = plan.clip(report.stats, clip)
-        if self._step_hook is not None:  # what the optimizer's step takes on the device
-            self._step_hook.arm(skip, s.clip_coef if clip and plan.ride else None)
+        self._step_hook.arm(skip, s.clip_coef if clip and plan.ride else None)  # what the step takes on the device
         if clip and s.clipped is not None:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s
@@ -560,8 +559,7 @@ class GradMonitor:
     def _settle(self) -> None:
         """``blocking=False``: the previous step, acted on from its host copies: its decision
         (counters, message, a raise or a warning), its dump and its record."""
-        if self._step_hook is not None:
-            self._step_hook.finish()  # a step whose optimizer never stepped: its record all the same
+        self._step_hook.finish()  # a step whose optimizer never stepped: its record all the same
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -786,7 +784,8 @@ class GradMonitor:
 
     def close(self) -> None:
         """Logs the last step (``flush``) and closes the sinks (a sink that fails to close
-        is warned about, never raised). Also removes any activation hook still armed.
+        is warned about, never raised). Also removes any activation hook still armed, and the
+        hooks on ``optimizer``'s step (``blocking=False``, ``fused_step``).
 
         Example:
             ```python
@@ -801,4 +800,5 @@ class GradMonitor:
         try:
             self.flush()
         finally:
+            self._step_hook.remove()  # the optimizer steps on without the monitor
             self._sink_set.close()

@@ -160,6 +160,9 @@ def test_the_report_is_settled_at_the_next_step(tmp_path):
     with pytest.warns(RuntimeWarning, match="gradfuse step 0: optimizer step skipped"):
         monitor.flush()
     assert report.settled and report.skip and report.anomalies == ["nonfinite"] and "weight" in report.message
+    assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 1
+    monitor.close()  # the optimizer steps on without the monitor's hooks
+    assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 0
 
 
 def test_raise_at_the_next_step_naming_it():
