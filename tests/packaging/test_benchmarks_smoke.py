@@ -122,7 +122,7 @@ def test_optim_step_bench_smoke():
 
 
 def test_full_health_bench_smoke():
-    """benchmarks/full_health.py on a one-layer GPT-2 (one step, not a timing): the three variants
+    """benchmarks/full_health.py on a one-layer GPT-2 (one step, not a timing): the four variants
     and their peak memory in fresh processes."""
     pytest.importorskip("transformers")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "full_health.py"), "--steps", "1",
@@ -130,5 +130,5 @@ def test_full_health_bench_smoke():
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("torch clip", "monitor (clip)", "full health"):
+    for name in ("torch clip", "monitor (clip)", "full health", "full health, gradfuse.optim"):
         assert f"| {name} | " in proc.stdout, proc.stdout
