@@ -85,13 +85,17 @@ class Loop:
     has_fma: bool
 
 
-@dataclasses.dataclass
-class KernelLoop:
-    kernel: str  # mangled name
-    dtype: str
-    mode: str
-    elem_bytes: int
-    loop: Loop
+class NamedLoop:
+    """What a loop record reads off its kernel's mangled name (``kernel``)."""
+
+    @property
+    def table(self) -> str:
+        m = _TABLE.search(self.kernel)
+        return m.group(1) if m else "-"
+
+
+class LoadCountedLoop(NamedLoop):
+    """A loop whose elements per trip are its 16-byte loads' (``loop``, ``elem_bytes``)."""
 
     @property
     def elements(self) -> int:
@@ -101,10 +105,57 @@ class KernelLoop:
     def per_element(self) -> float:
         return self.loop.instructions / self.elements
 
+
+class TrafficLoop(NamedLoop):
+    """A loop moving one 16-byte pack of each list per trip (``loads16`` unpredicated loads,
+    ``stores16`` stores, ``elem_bytes``): its traffic per element, the instructions per element at
+    which it stops being memory-bound on an H200, and its budget (``issued`` instructions per trip;
+    ``arithmetic_floor``: the exceptions' table)."""
+
     @property
-    def table(self) -> str:
-        m = _TABLE.search(self.kernel)
-        return m.group(1) if m else "-"
+    def elements(self) -> int:
+        return 16 // self.elem_bytes
+
+    @property
+    def lists(self) -> str:
+        return f"{self.loads16}r{self.stores16}w" if self.stores16 else f"{self.loads16}r"
+
+    @property
+    def bytes_per_element(self) -> int:
+        return (self.loads16 + self.stores16) * self.elem_bytes
+
+    @property
+    def per_element(self) -> float:
+        return self.issued / self.elements
+
+    @property
+    def bound(self) -> float:
+        """Instructions per element at which the loop stops being memory-bound on an H200."""
+        return self.bytes_per_element * ISSUE_RATE / BANDWIDTH
+
+    @property
+    def budget(self) -> float:
+        return max(self.bound * UPDATE_MARGIN, self.arithmetic_floor)
+
+
+def innermost(found: list, loop_of=lambda x: x) -> list:
+    """The entries of ``found`` whose loop (``loop_of(entry)``) holds no other entry's loop."""
+    return [x for x in found if not any(loop_of(o) is not loop_of(x) and loop_of(x).start <= loop_of(o).start
+                                        and loop_of(o).end <= loop_of(x).end for o in found)]
+
+
+def loops_over_budget(kernels: list[TrafficLoop]) -> list[TrafficLoop]:
+    """The loops above their budget."""
+    return [k for k in kernels if k.per_element > k.budget]
+
+
+@dataclasses.dataclass
+class KernelLoop(LoadCountedLoop):
+    kernel: str  # mangled name
+    dtype: str
+    mode: str
+    elem_bytes: int
+    loop: Loop
 
 
 @dataclasses.dataclass
@@ -191,8 +242,7 @@ def loops(instructions: list[str]) -> list[Loop]:
 def steady_state_loop(instructions: list[str]) -> Loop | None:
     """The main loop of pass 1, by the rule of the module docstring; None without 16-byte loads."""
     streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
-    streaming = [lp for lp in streaming
-                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+    streaming = innermost(streaming)
     return max(streaming, key=lambda lp: (lp.has_fma, lp.loads16, lp.instructions), default=None)
 
 
@@ -236,8 +286,7 @@ def hist_kernel_loops(sass: str) -> list[KernelLoop]:
         if dtype not in HIST_BUDGET:
             continue
         streaming = [lp for lp in loops(instructions) if lp.loads16 > 0]
-        inner = [lp for lp in streaming
-                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+        inner = innermost(streaming)
         pass1 = [lp for lp in inner if sum(bool(_ATOMS.match(b)) for b in instructions[lp.start:lp.end + 1])
                  == lp.loads16 * 16 // elem_bytes]
         loop = max(pass1, key=lambda lp: (lp.loads16, lp.instructions), default=None)
@@ -357,25 +406,12 @@ _STORE16 = re.compile(r"^(?:@!?U?P\w+\s+)?STG\.E\.128\b")
 
 
 @dataclasses.dataclass
-class ClipLoop:
+class ClipLoop(LoadCountedLoop):
     kernel: str  # mangled name
     kind: str  # unit_scale_kernel / clamp_kernel
     dtype: str
     elem_bytes: int
     loop: Loop
-
-    @property
-    def elements(self) -> int:
-        return self.loop.loads16 * 16 // self.elem_bytes
-
-    @property
-    def per_element(self) -> float:
-        return self.loop.instructions / self.elements
-
-    @property
-    def table(self) -> str:
-        m = _TABLE.search(self.kernel)
-        return m.group(1) if m else "-"
 
 
 def clip_kernel_loops(sass: str) -> list[ClipLoop]:
@@ -389,8 +425,7 @@ def clip_kernel_loops(sass: str) -> list[ClipLoop]:
         dtype, elem_bytes = _DTYPES[m.group(2)]
         streaming = [lp for lp in loops(instructions) if lp.loads16 > 0
                      and any(_STORE16.match(b) for b in instructions[lp.start:lp.end + 1])]
-        streaming = [lp for lp in streaming
-                     if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in streaming)]
+        streaming = innermost(streaming)
         if not streaming:
             raise ValueError(f"no loop of 16-byte loads and stores found in {name}")
         most = max(lp.loads16 for lp in streaming)
@@ -453,7 +488,7 @@ _FWD_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)
 
 
 @dataclasses.dataclass
-class UpdateLoop:
+class UpdateLoop(TrafficLoop):
     kernel: str  # mangled name
     kind: str  # update_stats / update_clip
     dtype: str
@@ -465,43 +500,16 @@ class UpdateLoop:
     cold: int  # slow-path instructions in the loop body, not issued in the steady state
 
     @property
-    def elements(self) -> int:
-        return 16 // self.elem_bytes
-
-    @property
-    def lists(self) -> str:
-        return f"{self.loads16}r{self.stores16}w" if self.stores16 else f"{self.loads16}r"
-
-    @property
-    def bytes_per_element(self) -> int:
-        return (self.loads16 + self.stores16) * self.elem_bytes
-
-    @property
     def issued(self) -> int:
         return self.loop.instructions - self.cold
 
     @property
-    def per_element(self) -> float:
-        return self.issued / self.elements
-
-    @property
-    def bound(self) -> float:
-        """Instructions per element at which the loop stops being memory-bound on an H200."""
-        return self.bytes_per_element * ISSUE_RATE / BANDWIDTH
-
-    @property
-    def budget(self) -> float:
-        floor = UPDATE_ARITHMETIC.get((self.kind, self.dtype, self.rule, self.lists), 0.0)
-        return max(self.bound * UPDATE_MARGIN, floor)
-
-    @property
-    def table(self) -> str:
-        m = _TABLE.search(self.kernel)
-        return m.group(1) if m else "-"
+    def arithmetic_floor(self) -> float:
+        return UPDATE_ARITHMETIC.get((self.kind, self.dtype, self.rule, self.lists), 0.0)
 
 
-def cold_instructions(body: list[str], start: int) -> int:
-    """Instructions of `body` (which starts at instruction index `start`) in blocks that a
+def cold_indices(body: list[str], start: int) -> set[int]:
+    """Indices into `body` (which starts at instruction index `start`) of the blocks that a
     conditional forward branch skips and that hold a CALL: the out-of-line slow paths."""
     cold = set()
     for i, ins in enumerate(body):
@@ -511,7 +519,7 @@ def cold_instructions(body: list[str], start: int) -> int:
         target = int(m.group(1), 16) // 16 - start
         if i < target <= len(body) and any(_CALL.match(b) for b in body[i + 1:target]):
             cold.update(range(i + 1, target))
-    return len(cold)
+    return cold
 
 
 def update_kernel_loops(sass: str) -> list[UpdateLoop]:
@@ -529,8 +537,7 @@ def update_kernel_loops(sass: str) -> list[UpdateLoop]:
             loads = [b for b in body if _ANY_LOAD16.match(b)]
             if loads:
                 found.append((lp, body, loads))
-        inner = [(lp, body, loads) for lp, body, loads in found
-                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o, _, _ in found)]
+        inner = innermost(found, lambda entry: entry[0])
         # Unpredicated loads (not the fallback), and not the statistics' rare pass 2 (non-finite tests).
         steady = [(lp, body, loads) for lp, body, loads in inner if not any(b.startswith("@") for b in loads)
                   and not any(_NONFINITE_TEST.match(b) for b in body)]
@@ -539,14 +546,13 @@ def update_kernel_loops(sass: str) -> list[UpdateLoop]:
         for lp, body, loads in steady:
             stores = sum(bool(_STORE16.match(b)) for b in body)
             result.append(UpdateLoop(name, _UPDATE_KIND[m.group(1)], dtype, _UPDATE_RULES[m.group(3)], elem_bytes,
-                                     lp, len(loads), stores, cold_instructions(body, lp.start)))
+                                     lp, len(loads), stores, len(cold_indices(body, lp.start))))
     order = list(v[0] for v in _DTYPES.values())
     return sorted(result, key=lambda k: (k.kind, order.index(k.dtype), k.rule,
                                          int(k.table) if k.table.isdigit() else 0, k.loads16))
 
 
-def update_over_budget(kernels: list[UpdateLoop]) -> list[UpdateLoop]:
-    return [k for k in kernels if k.per_element > k.budget]
+update_over_budget = loops_over_budget
 
 
 def update_report(kernels: list[UpdateLoop], arch: str) -> str:
@@ -606,7 +612,7 @@ _ANY_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f
 
 
 @dataclasses.dataclass
-class StepLoop:
+class StepLoop(TrafficLoop):
     kernel: str  # mangled name
     dtype: str
     rule: str  # sgd / adam
@@ -618,49 +624,8 @@ class StepLoop:
     issued: int  # instructions of the longest trip, slow paths not counted
 
     @property
-    def elements(self) -> int:
-        return 16 // self.elem_bytes
-
-    @property
-    def lists(self) -> str:
-        return f"{self.loads16}r{self.stores16}w" if self.stores16 else f"{self.loads16}r"
-
-    @property
-    def bytes_per_element(self) -> int:
-        return (self.loads16 + self.stores16) * self.elem_bytes
-
-    @property
-    def per_element(self) -> float:
-        return self.issued / self.elements
-
-    @property
-    def bound(self) -> float:
-        """Instructions per element at which the loop stops being memory-bound on an H200."""
-        return self.bytes_per_element * ISSUE_RATE / BANDWIDTH
-
-    @property
-    def budget(self) -> float:
-        floor = STEP_ARITHMETIC.get((self.dtype, self.rule, self.lists, self.stats), 0.0)
-        return max(self.bound * STEP_MARGIN, floor)
-
-    @property
-    def table(self) -> str:
-        m = _TABLE.search(self.kernel)
-        return m.group(1) if m else "-"
-
-
-def cold_indices(body: list[str], start: int) -> set[int]:
-    """Indices into `body` (which starts at instruction index `start`) of the blocks that a
-    conditional forward branch skips and that hold a CALL: the out-of-line slow paths."""
-    cold = set()
-    for i, ins in enumerate(body):
-        m = _FWD_BRANCH.match(ins)
-        if not m:
-            continue
-        target = int(m.group(1), 16) // 16 - start
-        if i < target <= len(body) and any(_CALL.match(b) for b in body[i + 1:target]):
-            cold.update(range(i + 1, target))
-    return cold
+    def arithmetic_floor(self) -> float:
+        return STEP_ARITHMETIC.get((self.dtype, self.rule, self.lists, self.stats), 0.0)
 
 
 def trip_instructions(body: list[str], start: int) -> int:
@@ -698,8 +663,7 @@ def step_kernel_loops(sass: str) -> list[StepLoop]:
         dtype, elem_bytes = _DTYPES[m.group(1)]
         found = [(lp, instructions[lp.start:lp.end + 1]) for lp in loops(instructions)]
         found = [(lp, body) for lp, body in found if any(_ANY_LOAD16.match(b) for b in body)]
-        inner = [(lp, body) for lp, body in found
-                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o, _ in found)]
+        inner = innermost(found, lambda entry: entry[0])
         if not inner:
             raise ValueError(f"no loop of 16-byte loads found in {name}")
         for lp, body in inner:
@@ -712,8 +676,7 @@ def step_kernel_loops(sass: str) -> list[StepLoop]:
                                          int(k.table) if k.table.isdigit() else 0, k.loads16, k.stores16))
 
 
-def step_over_budget(kernels: list[StepLoop]) -> list[StepLoop]:
-    return [k for k in kernels if k.per_element > k.budget]
+step_over_budget = loops_over_budget
 
 
 def step_report(kernels: list[StepLoop], arch: str) -> str:
