@@ -5,7 +5,9 @@
 // intermediate that torch stores as a tensor is rounded to scalar_t (float16 / bfloat16 go
 // through float, as torch's kernels do). Steps that hold an element torch would run in its
 // scalar tail (TorchTail; 16-bit `add` with alpha only) and the last elements of a chunk take the
-// scalar function. Weight, gradient and state are read once and written once.
+// scalar function. Weight, gradient and state are read once and written once. Adam's square
+// root is taken in the loop, or, where it is MKL's (torch's float and double sqrt on x86), a
+// block at a time by one call, the block waiting in L1 meanwhile.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -63,29 +65,48 @@ inline V2<step_acc_of<scalar_t>> load2(const scalar_t* x) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// A float rounded to bfloat16 and widened back, in the float's register: at::vec's rounding (to
+// nearest even) without packing to 16 bits and unpacking again, and without its NaN test: every
+// NaN in the step has its low 16 bits clear (it is a bfloat16 widened, the processor's default
+// NaN, or one propagated from those; a NaN gradient scale is made the default NaN first), and
+// such a NaN comes out of the rounding unchanged.
+inline Vectorized<float> round_bf16(const Vectorized<float>& x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_castsi256_ps(r);
+}
+
+// Floats that are bfloat16 values already (round_bf16's), stored as bfloat16: at::vec's
+// conversion (a NaN becomes 0xffff) without its rounding, which would change nothing.
+inline void store_rounded_bf16(c10::BFloat16* out, const Vectorized<float>& lo, const Vectorized<float>& hi) {
+  const __m256i nan = _mm256_set1_epi32(0xffff);
+  const auto top = [&](const Vectorized<float>& v) {
+    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+    return _mm256_blendv_epi8(nan, _mm256_srli_epi32(_mm256_castps_si256(v), 16), ordered);
+  };
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top(lo), top(hi)), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+#endif
+
+// Stores v, whose values are scalar_t values already (the step rounds everything it stores).
 template <typename scalar_t>
 inline void store2(scalar_t* x, const V2<step_acc_of<scalar_t>>& v) {
   using acc_t = step_acc_of<scalar_t>;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     v.lo.store(x);
     v.hi.store(x + Vectorized<acc_t>::size());
+#if defined(CPU_CAPABILITY_AVX2)
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    store_rounded_bf16(x, v.lo, v.hi);
+#endif
   } else {
     at::vec::convert_from_float<scalar_t>(v.lo, v.hi).store(x);
   }
 }
-
-#if defined(CPU_CAPABILITY_AVX2)
-// A float rounded to bfloat16 and widened back, in the float's register: at::vec's conversion
-// (round to nearest even; a NaN becomes 0xffff) without packing to 16 bits and unpacking again.
-inline Vectorized<float> round_bf16(const Vectorized<float>& x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm256_blendv_ps(nan, _mm256_castsi256_ps(r), _mm256_cmp_ps(x, x, _CMP_ORD_Q));
-}
-#endif
 
 // round_to, lane-wise: through scalar_t and back (exact for float and double).
 template <typename scalar_t>
@@ -146,15 +167,36 @@ struct VecStep {
   using P = StepParams<scalar_t, acc_t>;
   const P& h;
   VA weight_decay, momentum, damp_alpha, neg_lr, eps, momentum_mul, lerp_weight, lerp_weight_m1, beta2,
-      one_minus_beta2, bc2_sqrt, neg_step_size, decay_factor;
-  bool small_weight;
+      one_minus_beta2, bc2_sqrt, neg_step_size, decay_factor, inv_bc2_sqrt, neg_bc2_sqrt;
+  bool small_weight, by_reciprocal;
 
   explicit VecStep(const P& p)
       : h(p), weight_decay(p.weight_decay), momentum(p.momentum), damp_alpha(p.damp_alpha), neg_lr(p.neg_lr),
         eps(p.eps), momentum_mul(p.momentum_mul), lerp_weight(p.lerp_weight),
         lerp_weight_m1(p.lerp_weight - acc_t(1)), beta2(p.beta2), one_minus_beta2(p.one_minus_beta2),
         bc2_sqrt(p.bc2_sqrt), neg_step_size(p.neg_step_size), decay_factor(p.decay_factor),
-        small_weight(std::fabs(p.lerp_weight) < acc_t(0.5)) {}
+        inv_bc2_sqrt(acc_t(1) / p.bc2_sqrt), neg_bc2_sqrt(-p.bc2_sqrt),
+        small_weight(std::fabs(p.lerp_weight) < acc_t(0.5)),
+        by_reciprocal(std::is_same_v<acc_t, float> && p.bc2_sqrt >= std::ldexp(1.0f, -30) && p.bc2_sqrt <= 1.0f) {}
+
+  // a / bc2_sqrt, a being a square root (0 to 2^64, inf or NaN). The divider bounds this loop, so
+  // for float (and bc2_sqrt in [2^-30, 1], which every beta2 below 1 - 2^-60 gives) the quotient is
+  // Markstein's: q = a * (1 / c) corrected once by the exact remainder a - q * c, which is the
+  // correctly rounded a / c there (checked on every such float a, for divisors across that
+  // range); where the remainder is 0 (q exact) or NaN (a is inf or NaN), q itself.
+  inline VA over_bc2_sqrt(const VA& a) const {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (by_reciprocal) {
+        const __m256 q = _mm256_mul_ps(a, inv_bc2_sqrt);
+        const __m256 r = _mm256_fmadd_ps(q, neg_bc2_sqrt, a);
+        const __m256 corrected = _mm256_fmadd_ps(r, inv_bc2_sqrt, q);
+        return _mm256_blendv_ps(q, corrected, _mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+      }
+    }
+#endif
+    return a / bc2_sqrt;
+  }
 
   // add_alpha outside a tail: one fused multiply-add, rounded to scalar_t.
   inline V2<acc_t> add_alpha(const V2<acc_t>& a, const V2<acc_t>& b, const VA& s) const {
@@ -183,7 +225,7 @@ struct VecStep {
 
   // adam_finish: w (already decayed) to after the step, from m' and the rounded sqrt of v'.
   inline void adam_finish(const V2<acc_t>& root_of_v, const V2<acc_t>& m, V2<acc_t>& w, V2<acc_t>& root) const {
-    root = round2<scalar_t>(map2(root_of_v, [&](const VA& a) { return a / bc2_sqrt; }));
+    root = round2<scalar_t>(map2(root_of_v, [&](const VA& a) { return over_bc2_sqrt(a); }));
     const V2<acc_t> denom = round2<scalar_t>(map2(root, [&](const VA& a) { return a + eps; }));
     const V2<acc_t> q = map2(m, denom, [&](const VA& mm, const VA& d) { return vec_mul_rn(neg_step_size, mm) / d; });
     w = round2<scalar_t>(map2(w, q, [](const VA& a, const VA& b) { return a + b; }));
@@ -303,22 +345,157 @@ inline V2<step_acc_of<scalar_t>> load_acc(const step_acc_of<scalar_t>* x) {
   return {VA::loadu(x), VA::loadu(x + VA::size())};
 }
 
-// Elements per Adam block: moments of the block first, then its square roots in one call, then
-// the weights; the block's m' and v' wait in these buffers (in L1), so memory is read once.
-constexpr int64_t kAdamBlock = 512;
+// Elements an iteration prefetches ahead: the next block's lines are in flight while this block
+// waits on its square roots or its arithmetic.
+constexpr int64_t kPrefetchElems = 512;
 
-// Adam over one chunk: elements [0, n) at w, g, m, v, v_max (state pointers null where absent).
+template <typename scalar_t>
+inline void prefetch_ahead(const scalar_t* p, int64_t i, int64_t n) {
+  if (p != nullptr && i + kPrefetchElems < n) __builtin_prefetch(p + i + kPrefetchElems);
+}
+
+// What every step does once an element's weight after the step is known: the update clip
+// (w_before + c * (w' - w_before) where c < 1), the statistics, the weight's store.
 template <typename scalar_t, bool kStats>
-void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, scalar_t* v,
-                scalar_t* v_max, int64_t n, VecStepStats<step_acc_of<scalar_t>>& lanes, int64_t& vec_elems,
-                UpdateAcc<step_acc_of<scalar_t>>* row) {
+struct ChunkFinish {
+  using acc_t = step_acc_of<scalar_t>;
+  using VA = Vectorized<acc_t>;
+  const ChunkCtx<scalar_t>& c;
+  const bool adam;
+  const VA clip_v = VA(c.clip_acc), eps_v = VA(c.h.eps);
+  UpdateAcc<acc_t>* row;
+  VecStepStats<acc_t> lanes;
+  int64_t vec_elems = 0;
+
+  ChunkFinish(const ChunkCtx<scalar_t>& ctx, bool is_adam, UpdateAcc<acc_t>* r) : c(ctx), adam(is_adam), row(r) {}
+
+  // kStepElems elements at w. m: the moment after the step; used: the v' whose root Adam took
+  // (SGD: zeros); root: Adam's bias-corrected root (SGD: zeros).
+  inline void vec(scalar_t* w, const V2<acc_t>& w_before, V2<acc_t> wv, const V2<acc_t>& m, const V2<acc_t>& used,
+                  const V2<acc_t>& root) {
+    if (c.clip) {
+      wv = round2<scalar_t>(
+          map2(w_before, wv, [&](const VA& bw, const VA& after) { return bw + vec_mul_rn(clip_v, after - bw); }));
+    }
+    if constexpr (kStats) {
+      lanes.add(wv.lo - w_before.lo, w_before.lo, m.lo, used.lo, root.lo, eps_v, adam);
+      lanes.add(wv.hi - w_before.hi, w_before.hi, m.hi, used.hi, root.hi, eps_v, adam);
+      vec_elems += kStepElems<scalar_t>;
+    }
+    if (c.write) store2(w, wv);
+  }
+
+  inline void scalar(scalar_t* w, acc_t w_before, acc_t w_after, acc_t m, acc_t used, acc_t root) {
+    if (c.clip) w_after = round_to<scalar_t>(w_before + mul_rn(c.clip_acc, w_after - w_before));
+    if constexpr (kStats) add_element_stats<acc_t>(*row, w_after - w_before, w_before, m, used, root, c.h.eps, adam);
+    if (c.write) *w = static_cast<scalar_t>(w_after);
+  }
+
+  // The vector lanes into the row, after the chunk's scalar elements (in this order on every path).
+  inline void done() {
+    if constexpr (kStats) lanes.into(*row, vec_elems);
+  }
+};
+
+// Whether Adam's root is taken element by element in the one loop: a root that needs no call
+// (bfloat16; float and double where torch's sqrt is correctly rounded). MKL's roots (float and
+// double, on x86 builds of torch) are taken a block at a time; float16's by double, lane by lane.
+template <typename scalar_t>
+inline bool root_inline(const StepArgs& a) {
+  if constexpr (std::is_same_v<scalar_t, float>) return a.sqrt_f32 == nullptr;
+  if constexpr (std::is_same_v<scalar_t, double>) return a.sqrt_f64 == nullptr;
+  return std::is_same_v<scalar_t, c10::BFloat16>;
+}
+
+// One Adam element by the scalar functions (a torch scalar-tail element, or a chunk's last ones).
+template <typename scalar_t>
+inline StepState<step_acc_of<scalar_t>> adam_moments_at(const ChunkCtx<scalar_t>& c, const scalar_t* w,
+                                                        const scalar_t* g, const scalar_t* m, const scalar_t* v,
+                                                        const scalar_t* v_max, int64_t i, step_acc_of<scalar_t>& used) {
+  using acc_t = step_acc_of<scalar_t>;
+  StepState<acc_t> s{static_cast<acc_t>(w[i]), static_cast<acc_t>(m[i]), static_cast<acc_t>(v[i]),
+                     v_max ? static_cast<acc_t>(v_max[i]) : acc_t(0), acc_t(0)};
+  acc_t gk = static_cast<acc_t>(g[i]);
+  if (c.scale) gk = round_to<scalar_t>(gk * c.scale_acc);
+  used = adam_moments(c.h, gk, s, c.tail.at(c.offset + i, c.numel));
+  return s;
+}
+
+template <typename scalar_t>
+inline void store_moments(scalar_t* m, scalar_t* v, scalar_t* v_max, int64_t i, const StepState<step_acc_of<scalar_t>>& s) {
+  m[i] = static_cast<scalar_t>(s.m);
+  v[i] = static_cast<scalar_t>(s.v);
+  if (v_max) v_max[i] = static_cast<scalar_t>(s.v_max);
+}
+
+template <typename scalar_t>
+inline void store_moments2(scalar_t* m, scalar_t* v, scalar_t* v_max, int64_t i, const V2<step_acc_of<scalar_t>>& mv,
+                           const V2<step_acc_of<scalar_t>>& vv, const V2<step_acc_of<scalar_t>>& xv) {
+  store2(m + i, mv);
+  store2(v + i, vv);
+  if (v_max) store2(v_max + i, xv);
+}
+
+// Adam with its root taken in the loop (root_inline): each element read once and finished at once.
+template <typename scalar_t, bool kStats>
+void adam_chunk_inline(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, scalar_t* v,
+                       scalar_t* v_max, int64_t n, ChunkFinish<scalar_t, kStats>& fin) {
   using acc_t = step_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kStepElems<scalar_t>;
   const auto& h = c.h;
   const VecStep<scalar_t> vec(h);
   const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
-  const VA eps_v(h.eps), scale_v(c.scale_acc), clip_v(c.clip_acc);
+  const VA scale_v(c.scale_acc);
+  const bool decay = h.has_weight_decay && h.decoupled;
+  for (int64_t i = 0; i < n;) {
+    if (i + kStep <= n && !c.tail.any(c.offset + i, kStep, c.numel)) {
+      prefetch_ahead(w, i, n);
+      prefetch_ahead(g, i, n);
+      prefetch_ahead(m, i, n);
+      prefetch_ahead(v, i, n);
+      prefetch_ahead(v_max, i, n);
+      const V2<acc_t> w_before = load2(w + i);
+      V2<acc_t> gv = load2(g + i), mv = load2(m + i), vv = load2(v + i);
+      V2<acc_t> xv = v_max ? load2(v_max + i) : zeros;
+      if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
+      const V2<acc_t> used = vec.adam_moments(gv, w_before, mv, vv, xv);
+      V2<acc_t> wv = decay ? vec.decayed(w_before) : w_before, root;
+      vec.adam_finish(sqrt2<scalar_t>(used), mv, wv, root);
+      fin.vec(w + i, w_before, wv, mv, used, root);
+      if (c.write) store_moments2(m, v, v_max, i, mv, vv, xv);
+      i += kStep;
+      continue;
+    }
+    for (const int64_t end = std::min(n, i + kStep); i < end; ++i) {
+      acc_t used;
+      StepState<acc_t> s = adam_moments_at(c, w, g, m, v, v_max, i, used);
+      const acc_t w_before = static_cast<acc_t>(w[i]);
+      adam_finish(h, sqrt_to<scalar_t>(used), s);
+      fin.scalar(w + i, w_before, s.w, s.m, used, s.root);
+      if (c.write) store_moments(m, v, v_max, i, s);
+    }
+  }
+}
+
+// Elements per Adam block where the roots are a call (not root_inline): the moments of the block
+// first, then its roots in one call, then the weights; the block's m' and v' wait in these
+// buffers (in L1), so memory is read once.
+constexpr int64_t kAdamBlock = 512;
+
+// Adam over one chunk: elements [0, n) at w, g, m, v, v_max (state pointers null where absent).
+template <typename scalar_t, bool kStats>
+void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, scalar_t* v,
+                scalar_t* v_max, int64_t n, ChunkFinish<scalar_t, kStats>& fin) {
+  if (root_inline<scalar_t>(c.a)) return adam_chunk_inline<scalar_t, kStats>(c, w, g, m, v, v_max, n, fin);
+  using acc_t = step_acc_of<scalar_t>;
+  using VA = Vectorized<acc_t>;
+  constexpr int64_t kStep = kStepElems<scalar_t>;
+  const auto& h = c.h;
+  const VecStep<scalar_t> vec(h);
+  const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
+  const VA scale_v(c.scale_acc);
+  const bool decay = h.has_weight_decay && h.decoupled;
   alignas(64) acc_t m_buf[kAdamBlock], used_buf[kAdamBlock], sqrt_buf[kAdamBlock];
   for (int64_t b = 0; b < n; b += kAdamBlock) {
     const int64_t len = std::min(kAdamBlock, n - b);
@@ -327,31 +504,24 @@ void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, sca
     for (int64_t k = 0; k < len;) {
       const int64_t i = b + k;
       if (k < vec_len) {
+        prefetch_ahead(w, i, n);
+        prefetch_ahead(g, i, n);
+        prefetch_ahead(m, i, n);
+        prefetch_ahead(v, i, n);
+        prefetch_ahead(v_max, i, n);
         V2<acc_t> gv = load2(g + i), mv = load2(m + i), vv = load2(v + i);
         V2<acc_t> xv = v_max ? load2(v_max + i) : zeros;
         if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
         const V2<acc_t> used = vec.adam_moments(gv, load2(w + i), mv, vv, xv);
         store_acc<scalar_t>(m_buf + k, mv);
         store_acc<scalar_t>(used_buf + k, used);
-        if (c.write) {
-          store2(m + i, mv);
-          store2(v + i, vv);
-          if (v_max) store2(v_max + i, xv);
-        }
+        if (c.write) store_moments2(m, v, v_max, i, mv, vv, xv);
         k += kStep;
         continue;
       }
-      StepState<acc_t> s{static_cast<acc_t>(w[i]), static_cast<acc_t>(m[i]), static_cast<acc_t>(v[i]),
-                         v_max ? static_cast<acc_t>(v_max[i]) : acc_t(0), acc_t(0)};
-      acc_t gk = static_cast<acc_t>(g[i]);
-      if (c.scale) gk = round_to<scalar_t>(gk * c.scale_acc);
-      used_buf[k] = adam_moments(h, gk, s, c.tail.at(c.offset + i, c.numel));
+      const StepState<acc_t> s = adam_moments_at(c, w, g, m, v, v_max, i, used_buf[k]);
       m_buf[k] = s.m;
-      if (c.write) {
-        m[i] = static_cast<scalar_t>(s.m);
-        v[i] = static_cast<scalar_t>(s.v);
-        if (v_max) v_max[i] = static_cast<scalar_t>(s.v_max);
-      }
+      if (c.write) store_moments(m, v, v_max, i, s);
       ++k;
     }
     block_sqrt<scalar_t>(c.a, used_buf, sqrt_buf, len);
@@ -360,32 +530,18 @@ void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, sca
     for (; k < vec_len; k += kStep) {
       const int64_t i = b + k;
       const V2<acc_t> w_before = load2(w + i);
-      V2<acc_t> wv = h.has_weight_decay && h.decoupled ? vec.decayed(w_before) : w_before;
+      V2<acc_t> wv = decay ? vec.decayed(w_before) : w_before, root;
       const V2<acc_t> mv = load_acc<scalar_t>(m_buf + k);
-      V2<acc_t> root;
       vec.adam_finish(load_acc<scalar_t>(sqrt_buf + k), mv, wv, root);
-      if (c.clip) {
-        wv = round2<scalar_t>(map2(w_before, wv, [&](const VA& bw, const VA& after) {
-          return bw + vec_mul_rn(clip_v, after - bw);
-        }));
-      }
-      if constexpr (kStats) {
-        const V2<acc_t> used = load_acc<scalar_t>(used_buf + k);
-        lanes.add(wv.lo - w_before.lo, w_before.lo, mv.lo, used.lo, root.lo, eps_v, true);
-        lanes.add(wv.hi - w_before.hi, w_before.hi, mv.hi, used.hi, root.hi, eps_v, true);
-        vec_elems += kStep;
-      }
-      if (c.write) store2(w + i, wv);
+      fin.vec(w + i, w_before, wv, mv, load_acc<scalar_t>(used_buf + k), root);
     }
     for (; k < len; ++k) {
       const int64_t i = b + k;
       const acc_t w_before = static_cast<acc_t>(w[i]);
       StepState<acc_t> s{w_before, m_buf[k], acc_t(0), acc_t(0), acc_t(0)};
-      if (h.has_weight_decay && h.decoupled) s.w = round_to<scalar_t>(mul_rn(s.w, h.decay_factor));
+      if (decay) s.w = round_to<scalar_t>(mul_rn(s.w, h.decay_factor));
       adam_finish(h, sqrt_buf[k], s);
-      if (c.clip) s.w = round_to<scalar_t>(w_before + mul_rn(c.clip_acc, s.w - w_before));
-      if constexpr (kStats) add_element_stats<acc_t>(*row, s.w - w_before, w_before, s.m, used_buf[k], s.root, h.eps, true);
-      if (c.write) w[i] = static_cast<scalar_t>(s.w);
+      fin.scalar(w + i, w_before, s.w, s.m, used_buf[k], s.root);
     }
   }
 }
@@ -393,54 +549,43 @@ void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, sca
 // SGD over one chunk (m: the momentum buffer, null without momentum).
 template <typename scalar_t, bool kStats>
 void sgd_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, int64_t n,
-               VecStepStats<step_acc_of<scalar_t>>& lanes, int64_t& vec_elems, UpdateAcc<step_acc_of<scalar_t>>* row) {
+               ChunkFinish<scalar_t, kStats>& fin) {
   using acc_t = step_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kStepElems<scalar_t>;
   const auto& h = c.h;
   const VecStep<scalar_t> vec(h);
   const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
-  const VA scale_v(c.scale_acc), clip_v(c.clip_acc);
-  int64_t i = 0;
-  for (; i < n;) {
+  const VA scale_v(c.scale_acc);
+  for (int64_t i = 0; i < n;) {
     if (i + kStep <= n && !c.tail.any(c.offset + i, kStep, c.numel)) {
       const V2<acc_t> w_before = load2(w + i);
       V2<acc_t> wv = w_before, gv = load2(g + i), mv = m ? load2(m + i) : zeros;
       if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
       vec.sgd(gv, wv, mv);
-      if (c.clip) {
-        wv = round2<scalar_t>(map2(w_before, wv, [&](const VA& bw, const VA& after) {
-          return bw + vec_mul_rn(clip_v, after - bw);
-        }));
-      }
-      if constexpr (kStats) {
-        lanes.add(wv.lo - w_before.lo, w_before.lo, mv.lo, zeros.lo, zeros.lo, zeros.lo, false);
-        lanes.add(wv.hi - w_before.hi, w_before.hi, mv.hi, zeros.hi, zeros.hi, zeros.hi, false);
-        vec_elems += kStep;
-      }
-      if (c.write) {
-        store2(w + i, wv);
-        if (m) store2(m + i, mv);
-      }
+      fin.vec(w + i, w_before, wv, mv, zeros, zeros);
+      if (c.write && m) store2(m + i, mv);
       i += kStep;
       continue;
     }
     // a step holding a torch scalar-tail element, or the chunk's last elements
-    const int64_t end = std::min(n, i + kStep);
-    for (; i < end; ++i) {
+    for (const int64_t end = std::min(n, i + kStep); i < end; ++i) {
       const acc_t w_before = static_cast<acc_t>(w[i]);
       StepState<acc_t> s{w_before, m ? static_cast<acc_t>(m[i]) : acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
       acc_t gk = static_cast<acc_t>(g[i]);
       if (c.scale) gk = round_to<scalar_t>(gk * c.scale_acc);
-      sgd_element(h, gk, s, c.tail.at(c.offset + i, c.numel));
-      if (c.clip) s.w = round_to<scalar_t>(w_before + mul_rn(c.clip_acc, s.w - w_before));
-      if constexpr (kStats) add_element_stats<acc_t>(*row, s.w - w_before, w_before, s.m, acc_t(0), acc_t(0), h.eps, false);
-      if (c.write) {
-        w[i] = static_cast<scalar_t>(s.w);
-        if (m) m[i] = static_cast<scalar_t>(s.m);
-      }
+      sgd_element(c.h, gk, s, c.tail.at(c.offset + i, c.numel));
+      fin.scalar(w + i, w_before, s.w, s.m, acc_t(0), acc_t(0));
+      if (c.write && m) m[i] = static_cast<scalar_t>(s.m);
     }
   }
+}
+
+// x, or a quiet NaN without payload for any NaN (round_bf16 takes NaNs with their low 16 bits
+// clear).
+template <typename acc_t>
+inline acc_t canonical_nan(acc_t x) {
+  return std::isnan(x) ? std::numeric_limits<acc_t>::quiet_NaN() : x;
 }
 
 // One chunk of tensor t: elements [offset, offset + n).
@@ -450,21 +595,18 @@ void step_chunk(const StepArgs& a, const StepParams<scalar_t, step_acc_of<scalar
   using acc_t = step_acc_of<scalar_t>;
   const double uc = a.update_coefs ? a.update_coefs[t] : 1.0;
   const ChunkCtx<scalar_t> c{a, h, tail, a.params[t].numel, offset, a.scale_grads, a.update_coefs && clips_update(uc),
-                             a.write, static_cast<acc_t>(a.grad_scale), static_cast<acc_t>(uc)};
+                             a.write, canonical_nan(static_cast<acc_t>(a.grad_scale)), static_cast<acc_t>(uc)};
   scalar_t* w = span_at<scalar_t>(a.params[t], offset);
   const scalar_t* g = span_at<scalar_t>(a.grads[t], offset);
-  VecStepStats<acc_t> lanes;
-  int64_t vec_elems = 0;
+  ChunkFinish<scalar_t, kStats> fin(c, rule == UpdateRule::kAdam, row);
   if constexpr (rule == UpdateRule::kAdam) {
     adam_chunk<scalar_t, kStats>(c, w, g, span_at<scalar_t>(a.moment1[t], offset),
                                  span_at<scalar_t>(a.moment2[t], offset),
-                                 h.amsgrad ? span_at<scalar_t>(a.moment2_max[t], offset) : nullptr, n, lanes,
-                                 vec_elems, row);
+                                 h.amsgrad ? span_at<scalar_t>(a.moment2_max[t], offset) : nullptr, n, fin);
   } else {
-    sgd_chunk<scalar_t, kStats>(c, w, g, h.has_momentum ? span_at<scalar_t>(a.moment1[t], offset) : nullptr, n,
-                                lanes, vec_elems, row);
+    sgd_chunk<scalar_t, kStats>(c, w, g, h.has_momentum ? span_at<scalar_t>(a.moment1[t], offset) : nullptr, n, fin);
   }
-  if constexpr (kStats) lanes.into(*row, vec_elems);
+  fin.done();
 }
 
 template <typename scalar_t, UpdateRule rule>

@@ -111,3 +111,39 @@ def test_16bit_sgd_follows_torchs_thread_split(threads, dtype):
 @pytest.mark.parametrize("name, kwargs", [CONFIGS[3], CONFIGS[10]], ids=["SGD-nesterov", "AdamW-amsgrad"])
 def test_both_cpu_kernel_builds(name, kwargs, dtype, cpu_capability):
     _run(name, kwargs, dtype, steps=2)
+
+
+def _wide(shape, gen, dtype):
+    """Values whose magnitudes span 2^-60 to 2^60, a few of them 0, inf and NaN."""
+    exps = torch.randint(-60, 61, shape, generator=gen).to(torch.float64)
+    signs = torch.randint(0, 2, shape, generator=gen).to(torch.float64) * 2 - 1
+    x = signs * (1 + torch.rand(shape, generator=gen, dtype=torch.float64)) * torch.exp2(exps)
+    flat = x.view(-1)
+    flat[:: 97] = 0.0
+    flat[5:: 389] = float("inf")
+    flat[11:: 433] = float("nan")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.95), (0.9, 1 - 1e-9)], ids=["default", "short", "long"])
+def test_adam_roots_across_the_exponent_range(dtype, betas):
+    """Adam's root sqrt(v') / sqrt(1 - beta2^t) for v' across the float range, zeros, inf and NaN
+    included: the vector loop's quotient (by the reciprocal, corrected) and its bfloat16 roundings
+    are torch's division and roundings bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    ref = [_wide((4099,), gen, dtype).requires_grad_()]
+    ours = [ref[0].detach().clone().requires_grad_()]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-3, betas=betas, weight_decay=0.1)
+    fused_opt = gradfuse.optim.AdamW(ours, lr=1e-3, betas=betas, weight_decay=0.1)
+    for _ in range(3):
+        g = _wide((4099,), gen, dtype)
+        ref[0].grad, ours[0].grad = g, g.clone()
+        torch_opt.step()
+        fused_opt.step()
+        v = torch_opt.state[ref[0]]["exp_avg_sq"]
+        finite = v[v.isfinite() & (v > 0)].to(torch.float64)
+        assert finite.numel() > 3000 and finite.max() / finite.min() > 2.0 ** 150  # the range was there
+        assert same_bits(ref[0].detach(), ours[0].detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(torch_opt.state[ref[0]][key], fused_opt.state[ours[0]][key]), key
