@@ -2,6 +2,11 @@
 ``multi_tensor_optim_step_`` call per (device, dtype) of the parameters with gradients, the state
 made as torch makes it, the step counters advanced as torch advances them.
 
+DTensor parameters are stepped on their local shards, one call per (sharding layout, device,
+dtype); the rows of ``stats`` and the rows that ``max_update_rms`` takes its coefficients from are
+summed over the layout's sharded mesh dimensions (``gradfuse.core.distributed.sum_sharded_rows``),
+so they are those of the whole tensor, the same on every rank.
+
 Layer: optim. Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
