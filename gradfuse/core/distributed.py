@@ -100,6 +100,20 @@ def reduce_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout, star
     return f_out, c_out
 
 
+def sum_sharded_rows(floats: torch.Tensor, counts: torch.Tensor, layout):
+    """Rows whose every column is a sum (the optimizer-update rows, ``UPDATE_FLOAT_COLUMNS`` /
+    ``UPDATE_COUNT_COLUMNS``), of tensors sharded by ``layout`` (mesh, sharded mesh dims): returns
+    them summed over the sharded mesh dimensions, the rows of the whole tensors. One collective per
+    sharded mesh dimension, the counts travelling as float64 beside the sums (exact below 2^53)."""
+    import torch.distributed as dist
+
+    mesh, dims = layout
+    packed = torch.cat([floats, counts.to(floats.dtype)], dim=1)
+    for d in dims:  # reducing over each sharded dimension in turn reduces over their product
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim=d))
+    return packed[:, :floats.shape[1]].contiguous(), packed[:, floats.shape[1]:].round().to(torch.int64)
+
+
 def all_reduce_accumulator(acc: torch.Tensor, layout, norm_type: float) -> torch.Tensor:
     """The total norm's accumulator of gradients sharded by ``layout`` (mesh, sharded mesh
     dims), from this rank's: as torch.nn.utils reduces its Partial total norm to Replicate, one

@@ -13,7 +13,10 @@ optimizer state of each group (a parameter not clipped is left alone: the op doe
 
 The optimizer's step hooks (``register_step_pre_hook`` / ``register_step_post_hook``) carry it:
 it works with any loop that calls ``optimizer.step()``, including ``GradScaler.step`` (a step the
-scaler skips runs no hook) and ``gradfuse.attach``.
+scaler skips runs no hook) and ``gradfuse.attach``. A ``gradfuse.optim`` step applies the same
+rule inside its own pass (``step(max_update_rms=...)``); ``GradMonitor(fused_step=True)`` hands
+it the limit, and an ``UpdateClip`` made with ``hooks=False`` then only counts the coefficients
+that step reports (``count``).
 
 Layer: dynamics. Imports ``gradfuse.dynamics.update_plan``.
 """
@@ -44,6 +47,9 @@ class UpdateClip:
     Args:
         optimizers: The optimizers (SGD, Adam, AdamW and subclasses).
         max_rms: The largest RMS an update may have, > 0.
+        hooks: False: no step hooks; the optimizers' own step applies the limit (a
+            ``gradfuse.optim`` step given ``max_update_rms``), and whoever hands it the limit
+            passes each step's coefficients to ``count``.
 
     Attributes:
         max_rms (float): The limit.
@@ -60,7 +66,7 @@ class UpdateClip:
         NotImplementedError: an optimizer whose update gradfuse does not know.
     """
 
-    def __init__(self, optimizers, max_rms: float):
+    def __init__(self, optimizers, max_rms: float, hooks: bool = True):
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers)
@@ -79,7 +85,7 @@ class UpdateClip:
         self._prepared: dict[int, tuple[UpdateRows, torch.Tensor]] = {}
         self._taken: dict[int, tuple[UpdateRows, torch.Tensor]] = {}
         self._handles = []
-        for opt in self.optimizers:
+        for opt in self.optimizers if hooks else ():
             self._handles.append(opt.register_step_pre_hook(self._pre_step))
             self._handles.append(opt.register_step_post_hook(self._post_step))
 
@@ -93,14 +99,16 @@ class UpdateClip:
         the next ``prepare``."""
         coefs = self.coefs(rows) if coefs is None else coefs
         self._prepared = {id(opt): (rows, coefs) for opt in self.optimizers}
-        self._count(coefs, rows.params)
+        self.count(coefs, rows.params)
         return coefs
 
     def cancel(self) -> None:
         """Drops the rows ``prepare`` handed over (the optimizer will not step this time)."""
         self._prepared.clear()
 
-    def _count(self, coefs: torch.Tensor, params: list) -> None:
+    def count(self, coefs: torch.Tensor, params: list) -> None:
+        """Counts a step whose coefficients are ``coefs`` (of ``params``; below 1: rescaled) on
+        the device, no host read, and keeps them as ``last_coefs`` / ``last_params``."""
         n = (coefs < 1).sum()
         step = (n > 0).to(torch.int64)
         self.clipped = n if self.clipped is None else self.clipped + n.to(self.clipped.device)
@@ -114,7 +122,7 @@ class UpdateClip:
             with torch.no_grad():
                 rows = plan_updates([optimizer])
                 coefs = self.coefs(rows)
-            self._count(coefs, rows.params)
+            self.count(coefs, rows.params)
             got = (rows, coefs)
         self._taken[id(optimizer)] = got
 

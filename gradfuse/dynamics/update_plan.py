@@ -25,8 +25,8 @@ no wait for a device).
 
 DTensor parameters (FSDP2 ``fully_shard``, tensor parallel): the op runs on the local shards of
 the parameter, gradient and state, and the rows of each sharding layout are summed over its
-sharded mesh dimensions (every column is a sum), in one collective per sharded mesh dimension,
-as the gradient rows are reduced (``gradfuse.core.distributed``).
+sharded mesh dimensions (every column is a sum), in one collective per sharded mesh dimension
+(``gradfuse.core.distributed.sum_sharded_rows``, which the fused optimizer step's rows share).
 
 Layer: dynamics. Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
@@ -214,19 +214,6 @@ class UpdateRows:
         return (self.floats[:, UPDATE_SUMSQ] / self.counts[:, UPDATE_NUMEL].to(torch.float64)).sqrt()
 
 
-def _reduce_sharded(floats: torch.Tensor, counts: torch.Tensor, layout):
-    """The rows of parameters sharded by ``layout`` (mesh, sharded mesh dims) summed over the
-    sharded mesh dimensions: every column of the update rows is a sum. One collective per
-    sharded mesh dimension, counts travelling as float64 beside the sums (exact below 2^53)."""
-    import torch.distributed as dist
-
-    mesh, dims = layout
-    packed = torch.cat([floats, counts.to(floats.dtype)], dim=1)
-    for d in dims:  # reducing over each sharded dimension in turn reduces over their product
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim=d))
-    return packed[:, :floats.shape[1]].contiguous(), packed[:, floats.shape[1]:].round().to(torch.int64)
-
-
 def plan_updates(optimizers) -> UpdateRows:
     """The update statistics of what ``optimizer.step()`` of each of ``optimizers`` is about to
     apply (module docstring), per parameter with a gradient; a parameter in several optimizers
@@ -262,7 +249,7 @@ def plan_updates(optimizers) -> UpdateRows:
                     m1, m2, m2max = _state_lists(call, locals_)
                     f, c = ops.multi_tensor_update_stats(locals_, grads, m1, m2, m2max, hyper, rule)
                     if layout is not None:
-                        f, c = _reduce_sharded(f, c, layout)
+                        f, c = distributed.sum_sharded_rows(f, c, layout)
                     floats.append(f.to(device))
                     counts.append(c.to(device))
                     out.params += params

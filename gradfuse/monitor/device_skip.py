@@ -1,7 +1,8 @@
 """A monitor's skip applied on the device: the decision of a step (a 0-d bool on the gradients'
 device) handed to the optimizer's own step, so that the host never reads it before the step;
 and with ``GradMonitor(fused_step=True)`` the clip coefficient, handed to a ``gradfuse.optim``
-step as its ``grad_scale`` (the clip then costs no pass of its own).
+step as its ``grad_scale`` (the clip then costs no pass of its own), and ``max_update_rms``,
+handed to that step as its own (the update clipping then costs no pass after the step).
 
 Which optimizers take it (``device_skip_kind``):
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from gradfuse.optim import FusedStep
+from gradfuse.optim.fused import check_max_update_rms
 
 
 def device_skip_kind(optimizer) -> str | None:
@@ -45,10 +47,15 @@ class StepHandoff:
 
     Args:
         optimizers: Optimizers of which ``device_skip_kind`` is not None.
+        update_clip: A ``gradfuse.UpdateClip`` made with ``hooks=False``, or None: every step of a
+            ``gradfuse.optim`` optimizer among ``optimizers`` gets its ``max_rms`` as
+            ``max_update_rms`` (the smaller, when the caller passes one too), and the
+            coefficients the step reports (``last_update_coefs``) are counted by it.
     """
 
-    def __init__(self, optimizers):
+    def __init__(self, optimizers, update_clip=None):
         self.optimizers = list(optimizers)
+        self._update_clip = update_clip
         self._flag: torch.Tensor | None = None
         self._grad_scale: torch.Tensor | None = None
         self._after = None  # called with the step's rows (optimizer.last_rows) once it stepped
@@ -78,11 +85,20 @@ class StepHandoff:
 
     def _pre(self, optimizer, args, kwargs):
         flag, scale = self._flag, self._grad_scale
-        if (flag is None and scale is None and self._after is None) or id(optimizer) in self._taken:
+        fused = isinstance(optimizer, FusedStep)
+        limit = self._update_clip.max_rms if self._update_clip is not None and fused else None
+        armed = not (flag is None and scale is None and self._after is None) and id(optimizer) not in self._taken
+        if not armed and limit is None:
             return None
-        self._taken.add(id(optimizer))
-        if isinstance(optimizer, FusedStep):
+        if fused:
             kwargs = dict(kwargs)
+            if limit is not None:  # every step, as the hooks of an UpdateClip would clip it
+                given = kwargs.get("max_update_rms")
+                kwargs["max_update_rms"] = limit if given is None else min(limit, check_max_update_rms(
+                    f"gradfuse.optim.{type(optimizer).__name__}", given))
+            if not armed:
+                return args, kwargs
+            self._taken.add(id(optimizer))
             if flag is not None:
                 given = kwargs.get("skip")
                 kwargs["skip"] = flag if given is None else flag | given.to(flag.device).reshape(()).bool()
@@ -92,6 +108,7 @@ class StepHandoff:
             if self._after is not None:
                 kwargs["stats"] = True
             return args, kwargs
+        self._taken.add(id(optimizer))
         if flag is None:
             return None
         found = optimizer.__dict__.get("found_inf")  # a GradScaler's, when it steps the optimizer
@@ -101,6 +118,11 @@ class StepHandoff:
         return None
 
     def _post(self, optimizer, args, kwargs) -> None:
+        if self._update_clip is not None and isinstance(optimizer, FusedStep):  # before the record reads them
+            got = optimizer.last_update_coefs
+            coefs = (torch.cat([c.coefs.to(got[0].coefs.device) for c in got]) if got
+                     else torch.zeros(0, dtype=torch.float64))
+            self._update_clip.count(coefs, [p for c in got for p in c.params])
         if self._after is not None and isinstance(optimizer, FusedStep):
             callback, self._after = self._after, None
             callback(optimizer.last_rows)

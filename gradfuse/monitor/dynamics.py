@@ -3,9 +3,12 @@ the gradient noise scale (``gradfuse.dynamics.noise_scale``) every step; the opt
 statistics per layer (``gradfuse.dynamics.update_ratio``) on logging steps, every
 ``update_every`` steps, and on every step that limits the updates or whose flight recorder
 records them (one fused pass serves them all); and the update clipping of ``max_update_rms``
-(``gradfuse.dynamics.update_clip``). The monitor calls ``Dynamics.on_step`` after its own
-statistics and clip, right before the optimizer steps, and ``Dynamics.record`` when it writes a
-record.
+(``gradfuse.dynamics.update_clip``). With ``fused_step=True`` and update statistics of the
+monitor's ``gradfuse.optim`` optimizer alone, both ride that optimizer's step: its
+``stats=True`` rows are the statistics, and it applies ``max_update_rms`` itself (no update
+clipping hooks; the counters and records come from the coefficients it reports). The monitor
+calls ``Dynamics.on_step`` after its own statistics and clip, right before the optimizer steps,
+and ``Dynamics.record`` when it writes a record.
 
 Layer: monitor. Imports ``gradfuse.dynamics`` and ``gradfuse.ops.layout``.
 """
@@ -16,7 +19,7 @@ import dataclasses
 import torch
 
 from gradfuse.dynamics.noise_scale import NoiseScale
-from gradfuse.dynamics.update_clip import UpdateClip
+from gradfuse.dynamics.update_clip import UpdateClip, update_coefs
 from gradfuse.dynamics.update_ratio import UpdateRatios
 from gradfuse.ops.layout import SUMSQ, UPDATE_SUMSQ
 from gradfuse.utils import warn
@@ -26,7 +29,8 @@ class Dynamics:
     """The monitor's noise-scale estimator, update statistics and update clipping (each may be None)."""
 
     def __init__(self, noise_scale, update_ratios, *, optimizer=None, names_by_param=None,
-                 layer_depth: int | None = None, update_every: int | None = None, max_update_rms=None):
+                 layer_depth: int | None = None, update_every: int | None = None, max_update_rms=None,
+                 fused_optimizer=None):
         self.noise_scale: NoiseScale | None = None
         if noise_scale is True:
             self.noise_scale = NoiseScale()
@@ -65,9 +69,13 @@ class Dynamics:
             if self.update_ratios.unavailable:
                 warn(f"gradfuse.GradMonitor: {self.update_ratios.unavailable}; update_ratio/* and "
                      "weight_norm/* are not logged")
+        # fused_step: the statistics and the update clipping of the monitor's gradfuse.optim
+        # optimizer ride its step (when they are of that optimizer alone)
+        self.rides_step = (fused_optimizer is not None and self.update_ratios is not None
+                           and self.update_ratios.optimizers == [fused_optimizer])
         self.update_clip: UpdateClip | None = None
         if max_update_rms is not None:
-            self.update_clip = UpdateClip(self.update_ratios.optimizers, max_update_rms)
+            self.update_clip = UpdateClip(self.update_ratios.optimizers, max_update_rms, hooks=not self.rides_step)
         self._clip_restored = {"update_clipped_params": 0, "update_clipped_steps": 0}
         # An integration that writes records later than the step (the HF Trainer logs after the
         # update) sets this before the step it will log.
@@ -102,7 +110,7 @@ class Dynamics:
             clip.cancel()  # the optimizer does not step: nothing to rescale
         if ur is None or not (capture or every or need_updates or (clip is not None and not skipped)):
             return False
-        if from_step and not skipped and clip is None:
+        if from_step and not skipped:  # the step's rows, and with max_update_rms its coefficients
             return True
         got = ur.capture(applied=not skipped)
         if got is not None and clip is not None and not skipped:
@@ -121,6 +129,11 @@ class Dynamics:
         """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took
         (``optimizer.last_rows``), into ``report.updates``: what ``on_step`` would have taken."""
         got = self.update_ratios.from_step(step_rows)
+        clip = self.update_clip
+        if got is not None and clip is not None:  # the step's coefficients, then those of the rows it left alone
+            rows, n = got["rows"], got["planned"]
+            rest = update_coefs(dataclasses.replace(rows, floats=rows.floats[n:], counts=rows.counts[n:]), clip.max_rms)
+            got = {**got, "coefs": torch.cat([clip.last_coefs.to(rest.device), rest])}
         self._captured = None if got is None else (report.step, got)
         report.updates = got
 

@@ -117,9 +117,11 @@ class GradMonitor:
             of the weights (see ``gradfuse.dynamics.update_clip``): the optimizer's statistics are
             taken every step (the optimizer of ``update_ratios``, else ``optimizer``), and after
             ``optimizer.step()`` one more pass over the weights, gradients and optimizer state
-            rescales the updates above the limit (the optimizer's step hooks). Counters
-            ``update_clipped_params`` (parameter updates rescaled) and ``update_clipped_steps``;
-            the records get ``update_clipped`` and show the updates as applied (rescaled).
+            rescales the updates above the limit (the optimizer's step hooks); with
+            ``fused_step`` the ``gradfuse.optim`` step applies the limit itself instead (see
+            there). Counters ``update_clipped_params`` (parameter updates rescaled) and
+            ``update_clipped_steps``; the records get ``update_clipped`` and show the updates as
+            applied (rescaled).
         activations: also log the statistics of every module's output and of the gradient with
             respect to it (see ``gradfuse.capture_activations``) on the steps that are logged
             (``every``): hooks are registered for those steps only (armed at the end of the step
@@ -171,9 +173,15 @@ class GradMonitor:
             statistics, the record and ``clipped_steps`` are those of the clip). Weights and state
             are bit for bit those of clipping first (``gradfuse.attach(..., fused_step=True)``
             adopts a torch SGD / Adam / AdamW with ``gradfuse.optim.from_torch``). With
-            ``update_ratios`` of that optimizer (and no ``max_update_rms``) its update statistics
-            ride the step too (``stats=True``): no update-statistics pass; the step's record and
-            flight-recorder row are then written once the optimizer has stepped.
+            ``update_ratios`` of that optimizer its update statistics ride the step too
+            (``stats=True``): no update-statistics pass; the step's record and flight-recorder
+            row are then written once the optimizer has stepped. With ``max_update_rms`` (of
+            that optimizer) the update clipping rides it too: every step of the optimizer gets
+            ``max_update_rms`` (its first, read-only pass gives each tensor's coefficient, the
+            step applies it), no update-clipping hooks, no pass before or after the step; the
+            counters and ``update_clipped`` come from the coefficients the step reports
+            (``last_update_coefs``), the same updates clipped as by the hooks, whose weights
+            differ from the step's in the last bit only.
 
     Host transfers: none on a step that needs no decision and logs nothing; one 0-d flag on
     steps where a policy must decide; the whole statistics on logging steps and anomalies.
@@ -295,16 +303,18 @@ class GradMonitor:
         if noise_scale or update_ratios or update_every is not None or max_update_rms is not None:
             self.dynamics = Dynamics(noise_scale, update_ratios, optimizer=optimizer,
                                      names_by_param=self._names_by_param, layer_depth=layer_depth,
-                                     update_every=update_every, max_update_rms=max_update_rms)
+                                     update_every=update_every, max_update_rms=max_update_rms,
+                                     fused_optimizer=optimizer if fused_step else None)
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
                          self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
         # blocking=False: the skip handed to the optimizer's step, and the step not yet settled;
         # fused_step=True: the clip coefficient handed to it
         hook = device_skip_for(self, optimizer) if not blocking else None
         self._defers, self.fused_step = hook is not None, fused_step
-        self._step_hook = hook or StepHandoff([optimizer] if fused_step else [])
-        ur = None if self.dynamics is None else self.dynamics.update_ratios  # fused_step: it takes the updates too
-        self._rides_updates = fused_step and ur is not None and ur.optimizers == [optimizer]
+        # fused_step: the step takes the update statistics too, and applies max_update_rms itself
+        self._rides_updates = self.dynamics is not None and self.dynamics.rides_step
+        self._step_hook = hook or StepHandoff([optimizer] if fused_step else [],
+                                              self.dynamics.update_clip if self._rides_updates else None)
         self._pending: Pending | None = None
         self._act_hooks = None
         if activations or trace_nonfinite:

@@ -7,7 +7,7 @@ update's statistics). ``from_torch`` adopts an existing torch optimizer.
 Layer: optim (a capability beside clip, numerics, activations and dynamics). Imports
 ``gradfuse.ops`` and ``gradfuse.core``.
 """
-from gradfuse.optim.fused import StepRows
+from gradfuse.optim.fused import StepCoefs, StepRows
 from gradfuse.optim.optimizers import SGD, Adam, AdamW, FusedStep, from_torch
 
-__all__ = ["SGD", "Adam", "AdamW", "FusedStep", "StepRows", "from_torch"]
+__all__ = ["SGD", "Adam", "AdamW", "FusedStep", "StepCoefs", "StepRows", "from_torch"]

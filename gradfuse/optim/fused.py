@@ -2,6 +2,11 @@
 ``multi_tensor_optim_step_`` call per (device, dtype) of the parameters with gradients, the state
 made as torch makes it, the step counters advanced as torch advances them.
 
+DTensor parameters are stepped on their local shards, one call per (sharding layout, device,
+dtype); the rows of ``stats`` and the rows that ``max_update_rms`` takes its coefficients from are
+summed over the layout's sharded mesh dimensions (``gradfuse.core.distributed.sum_sharded_rows``),
+so they are those of the whole tensor, the same on every rank.
+
 Layer: optim. Imports ``gradfuse.ops`` and ``gradfuse.core``.
 """
 from __future__ import annotations
@@ -12,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from gradfuse import ops
-from gradfuse.core.distributed import local_tensor
+from gradfuse.core import distributed
 from gradfuse.core.host_copy import HostCopy, read_host_resident
 from gradfuse.core.norms import rms_limit_coefficient
+from gradfuse.core.sharded import layout_key
 from gradfuse.ops.layout import RULE_ADAM, RULE_SGD, UPDATE_NUMEL, UPDATE_SUMSQ
 from gradfuse.optim.table import adam_row, sgd_row
 
@@ -32,9 +38,11 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepRows:
-    """The update-statistics rows of one (device, dtype) group of a fused step: ``floats`` /
-    ``counts`` as ``gradfuse.ops.multi_tensor_update_stats`` returns them, one row per parameter
-    of ``params``, on the parameters' device (never read by the step)."""
+    """The update-statistics rows of one (sharding layout, device, dtype) group of a fused step:
+    ``floats`` / ``counts`` as ``gradfuse.ops.multi_tensor_update_stats`` returns them, one row per
+    parameter of ``params``, on the parameters' device (never read by the step). The rows of a
+    DTensor parameter are those of the whole tensor: summed over the mesh dimensions it is
+    sharded on."""
 
     params: list[torch.Tensor]
     floats: torch.Tensor
@@ -44,6 +52,18 @@ class StepRows:
         """Per parameter, the RMS of the update applied, ``sqrt(update_sumsq / numel)`` (float64, on
         the device; NaN for an empty parameter)."""
         return (self.floats[:, UPDATE_SUMSQ] / self.counts[:, UPDATE_NUMEL].to(torch.float64)).sqrt()
+
+
+@dataclass
+class StepCoefs:
+    """The update-clipping coefficients of one (sharding layout, device, dtype) group of a fused
+    step with ``max_update_rms``: per parameter of ``params``, ``min(1, max_update_rms / rms(u))``
+    of its whole update (a DTensor's over all its shards), float64 on the parameters' device
+    (never read by the step). Below 1: the update was rescaled by it; NaN (an empty parameter, an
+    update that is not finite): left as the step made it."""
+
+    params: list[torch.Tensor]
+    coefs: torch.Tensor
 
 
 def refuse_unsupported(optimizer, group: dict) -> None:
@@ -80,6 +100,7 @@ class _Lists:
         self.params, self.grads, self.m, self.v, self.v_max, self.rows = [], [], [], [], [], []
         self.users: list[torch.Tensor] = []  # the parameters as the user holds them (DTensor or not)
         self.originals: list[torch.Tensor] = []  # a copied parameter's own weight and state
+        self.layout = None  # the sharding layout of a DTensor group (mesh, sharded mesh dims)
 
 
 def _is_kernel_layout(p: torch.Tensor, tensors) -> bool:
@@ -164,13 +185,16 @@ def _grad_of(optimizer, p: torch.Tensor) -> torch.Tensor:
 
 
 def _add(groups: dict, slow: list, p, g, m, v, v_max, row) -> None:
-    lp, lg = local_tensor(p), local_tensor(g)
-    state = [local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
-    entry = (p, lp, lg, state, row)
+    lp, layout = distributed.local_and_layout("parameter", p)
+    lg = distributed.local_tensor(g)
+    state = [distributed.local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
+    entry = (p, lp, lg, state, row, layout)
     if not _is_kernel_layout(lp, [lg, *state]):
         slow.append(entry)
         return
-    lists = groups.setdefault((lp.device, lp.dtype), _Lists())
+    # one group per sharding layout too: its rows are reduced over the layout's mesh in one block
+    lists = groups.setdefault((layout_key(layout), lp.device, lp.dtype), _Lists())
+    lists.layout = layout
     lists.users.append(p)
     lists.params.append(lp)
     lists.grads.append(lg)
@@ -181,9 +205,11 @@ def _add(groups: dict, slow: list, p, g, m, v, v_max, row) -> None:
 
 
 def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-               max_update_rms: float | None = None, stats: bool = False) -> list[StepRows]:
-    """The step of ``optimizer`` (a ``gradfuse.optim`` optimizer), in place; the rows of each
-    (device, dtype) group when ``stats``. See ``gradfuse.optim.SGD.step``."""
+               max_update_rms: float | None = None,
+               stats: bool = False) -> tuple[list[StepRows], list[StepCoefs]]:
+    """The step of ``optimizer`` (a ``gradfuse.optim`` optimizer), in place. Returns the rows of
+    each (sharding layout, device, dtype) group when ``stats``, and the coefficients of each group
+    with ``max_update_rms``. See ``gradfuse.optim.SGD.step``."""
     settle_skip(optimizer)
     rule = RULE_SGD if isinstance(optimizer, torch.optim.SGD) else RULE_ADAM
     groups: dict[tuple, _Lists] = {}
@@ -191,14 +217,15 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
     made = _Made()
     (_sgd_lists if rule == RULE_SGD else _adam_lists)(optimizer, groups, slow, made)
     for entry in slow:  # a layout the kernels do not take: contiguous copies, written back below
-        p, lp, lg, state, row = entry
+        p, lp, lg, state, row, layout = entry
         lists = groups[("copy", id(p))] = _Lists()
+        lists.layout = layout
         lists.users, lists.params, lists.grads = [p], [lp.contiguous()], [lg.contiguous()]
         lists.m, lists.v, lists.v_max = ([t.contiguous()] for t in state)
         lists.rows = [row]
         lists.originals = [lp, *state]
     threads = torch.get_num_threads()
-    out = []
+    out, out_coefs = [], []
     for lists in groups.values():
         device = lists.params[0].device
         coefs = torch.tensor(lists.rows, dtype=torch.float64)
@@ -209,8 +236,9 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
                 threads if device.type == "cpu" else 0)
         update_coefs = None
         if max_update_rms is not None:  # a first pass for each tensor's update RMS, then the step
-            f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, stats=True, write=False)
+            f, c = _whole(ops.multi_tensor_optim_step_(*args, grad_scale=scale, stats=True, write=False), lists)
             update_coefs = rms_limit_coefficient(f[:, UPDATE_SUMSQ], c[:, UPDATE_NUMEL], max_update_rms)
+            out_coefs.append(StepCoefs(lists.users, update_coefs))
         flag = None if skip is None else skip.to(device, non_blocking=True)
         f, c = ops.multi_tensor_optim_step_(*args, grad_scale=scale, skip=flag, update_coefs=update_coefs,
                                             stats=stats)
@@ -219,10 +247,18 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
             if copy is not original and copy.numel():
                 original.copy_(copy)
         if stats:
-            out.append(StepRows(lists.users, f, c))
+            out.append(StepRows(lists.users, *_whole((f, c), lists)))
     if skip is not None and (made.entries or made.steps):  # the host hears of the flag at the next step
         optimizer._pending_skip = (HostCopy([skip.reshape(())]), made)
-    return out
+    return out, out_coefs
+
+
+def _whole(rows: tuple[torch.Tensor, torch.Tensor], lists: _Lists) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a group as those of the whole parameters: a DTensor group's summed over its
+    sharded mesh dimensions (every column of the update rows is a sum)."""
+    if lists.layout is None:
+        return rows
+    return distributed.sum_sharded_rows(*rows, lists.layout)
 
 
 def settle_skip(optimizer) -> None:

@@ -10,7 +10,14 @@ import weakref
 
 import torch
 
-from gradfuse.optim.fused import StepRows, check_max_update_rms, fused_step, refuse_unsupported, settle_skip
+from gradfuse.optim.fused import (
+    StepCoefs,
+    StepRows,
+    check_max_update_rms,
+    fused_step,
+    refuse_unsupported,
+    settle_skip,
+)
 
 
 class FusedStep:
@@ -21,10 +28,19 @@ class FusedStep:
 
     @property
     def last_rows(self) -> list[StepRows]:
-        """The update-statistics rows of the latest ``step(stats=True)``, one entry per (device,
-        dtype) group (``gradfuse.optim.StepRows``); empty before any step, after a step without
-        statistics, and in a copy (``state_dict``, pickle and deepcopy carry torch's state only)."""
+        """The update-statistics rows of the latest ``step(stats=True)``, one entry per (sharding
+        layout, device, dtype) group (``gradfuse.optim.StepRows``; a DTensor parameter's rows are
+        those of the whole tensor); empty before any step, after a step without statistics, and in
+        a copy (``state_dict``, pickle and deepcopy carry torch's state only)."""
         return self.__dict__.get("_step_rows", [])
+
+    @property
+    def last_update_coefs(self) -> list[StepCoefs]:
+        """The update-clipping coefficients of the latest ``step(max_update_rms=...)``, one entry
+        per (sharding layout, device, dtype) group (``gradfuse.optim.StepCoefs``, on the device:
+        a parameter whose coefficient is below 1 had its update rescaled); empty before any step,
+        after a step without ``max_update_rms``, and in a copy."""
+        return self.__dict__.get("_step_coefs", [])
 
     def add_param_group(self, param_group: dict) -> None:
         """Torch's ``add_param_group``, then the fused step's checks of the new group (a refused
@@ -78,8 +94,11 @@ class FusedStep:
                 ``settle_skip``).
             max_update_rms (float, optional): Each parameter's update limited to this RMS
                 (``w = w_before + min(1, max_update_rms / rms(u)) * u``); costs a first read-only
-                pass, since a tensor's coefficient needs its whole update.
-            stats (bool): Also compute the update-statistics rows (``last_rows``) in the same pass.
+                pass, since a tensor's coefficient needs its whole update (a DTensor's: over all
+                its shards, one all-reduce of the rows per sharded mesh dimension). The
+                coefficients: ``last_update_coefs``.
+            stats (bool): Also compute the update-statistics rows (``last_rows``) in the same pass
+                (a DTensor's summed over its shards, as for the coefficients).
 
         Returns:
             The closure's loss, or None.
@@ -89,7 +108,8 @@ class FusedStep:
             with torch.enable_grad():
                 loss = closure()
         limit = check_max_update_rms(f"gradfuse.optim.{type(self).__name__}", max_update_rms)
-        self._step_rows = fused_step(self, grad_scale=grad_scale, skip=skip, max_update_rms=limit, stats=stats)
+        self._step_rows, self._step_coefs = fused_step(self, grad_scale=grad_scale, skip=skip,
+                                                       max_update_rms=limit, stats=stats)
         return loss
 
 

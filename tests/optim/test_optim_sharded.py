@@ -1,5 +1,6 @@
 """gradfuse.optim's step of FSDP2-sharded parameters (2 gloo ranks on CPU) equals torch's step of the
-same sharded model bit for bit. See tests/optim/optim_sharded_workers.py."""
+same sharded model bit for bit; its update-statistics rows and its update clipping are those of the
+same model unsharded. See tests/optim/optim_sharded_workers.py."""
 import dist_workers
 import optim_sharded_workers
 import pytest
@@ -8,7 +9,7 @@ from gloo_checks import assert_ranks_ok, spawn_checks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
-CHECKS = ["step"]
+CHECKS = ["step", "rows", "max_update_rms"]
 
 
 @pytest.fixture(scope="module")
@@ -19,5 +20,5 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", CHECKS)
-def test_sharded_step_is_torchs(results, name):
+def test_sharded_step(results, name):
     assert_ranks_ok(results, name, 2)
