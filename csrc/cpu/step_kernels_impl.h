@@ -29,6 +29,9 @@
 namespace gradfuse::cpu::CPU_CAPABILITY {
 namespace {
 
+// The per-vector helpers below must inline into the loops (g++ left the bfloat16 load a call).
+#define GRADFUSE_STEP_INLINE __attribute__((always_inline)) inline
+
 template <typename scalar_t>
 using step_acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
@@ -53,7 +56,7 @@ inline V2<acc_t> map2(const V2<acc_t>& a, const V2<acc_t>& b, F&& f) {
 }
 
 template <typename scalar_t>
-inline V2<step_acc_of<scalar_t>> load2(const scalar_t* x) {
+GRADFUSE_STEP_INLINE V2<step_acc_of<scalar_t>> load2(const scalar_t* x) {
   using acc_t = step_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -71,7 +74,7 @@ inline V2<step_acc_of<scalar_t>> load2(const scalar_t* x) {
 // NaN in the step has its low 16 bits clear (it is a bfloat16 widened, the processor's default
 // NaN, or one propagated from those; a NaN gradient scale is made the default NaN first), and
 // such a NaN comes out of the rounding unchanged.
-inline Vectorized<float> round_bf16(const Vectorized<float>& x) {
+GRADFUSE_STEP_INLINE Vectorized<float> round_bf16(const Vectorized<float>& x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
@@ -81,7 +84,7 @@ inline Vectorized<float> round_bf16(const Vectorized<float>& x) {
 
 // Floats that are bfloat16 values already (round_bf16's), stored as bfloat16: at::vec's
 // conversion (a NaN becomes 0xffff) without its rounding, which would change nothing.
-inline void store_rounded_bf16(c10::BFloat16* out, const Vectorized<float>& lo, const Vectorized<float>& hi) {
+GRADFUSE_STEP_INLINE void store_rounded_bf16(c10::BFloat16* out, const Vectorized<float>& lo, const Vectorized<float>& hi) {
   const __m256i nan = _mm256_set1_epi32(0xffff);
   const auto top = [&](const Vectorized<float>& v) {
     const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
@@ -94,7 +97,7 @@ inline void store_rounded_bf16(c10::BFloat16* out, const Vectorized<float>& lo, 
 
 // Stores v, whose values are scalar_t values already (the step rounds everything it stores).
 template <typename scalar_t>
-inline void store2(scalar_t* x, const V2<step_acc_of<scalar_t>>& v) {
+GRADFUSE_STEP_INLINE void store2(scalar_t* x, const V2<step_acc_of<scalar_t>>& v) {
   using acc_t = step_acc_of<scalar_t>;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     v.lo.store(x);
@@ -110,7 +113,7 @@ inline void store2(scalar_t* x, const V2<step_acc_of<scalar_t>>& v) {
 
 // round_to, lane-wise: through scalar_t and back (exact for float and double).
 template <typename scalar_t>
-inline V2<step_acc_of<scalar_t>> round2(const V2<step_acc_of<scalar_t>>& v) {
+GRADFUSE_STEP_INLINE V2<step_acc_of<scalar_t>> round2(const V2<step_acc_of<scalar_t>>& v) {
   if constexpr (std::is_same_v<scalar_t, step_acc_of<scalar_t>>) {
     return v;
 #if defined(CPU_CAPABILITY_AVX2)
@@ -144,7 +147,7 @@ inline Vectorized<acc_t> vfma(const Vectorized<acc_t>& a, const Vectorized<acc_t
 
 // sqrt_to lane-wise.
 template <typename scalar_t>
-inline V2<step_acc_of<scalar_t>> sqrt2(const V2<step_acc_of<scalar_t>>& v) {
+GRADFUSE_STEP_INLINE V2<step_acc_of<scalar_t>> sqrt2(const V2<step_acc_of<scalar_t>>& v) {
   using acc_t = step_acc_of<scalar_t>;
   if constexpr (std::is_same_v<scalar_t, c10::Half>) {
     constexpr int n = Vectorized<acc_t>::size();
@@ -354,6 +357,18 @@ inline void prefetch_ahead(const scalar_t* p, int64_t i, int64_t n) {
   if (p != nullptr && i + kPrefetchElems < n) __builtin_prefetch(p + i + kPrefetchElems);
 }
 
+// The first element at or after i (of numel) that torch runs in a scalar tail, numel if none:
+// the tails are the last (range length % step) elements of each of TorchTail's ranges.
+inline int64_t next_tail(const TorchTail& t, int64_t i, int64_t numel) {
+  if (t.none) return numel;
+  for (int64_t start = (i / t.range) * t.range; start < numel; start += t.range) {
+    const int64_t len = std::min(numel - start, t.range);
+    const int64_t tail_start = start + len - len % t.step;
+    if (tail_start < start + len && i < start + len) return std::max(i, tail_start);
+  }
+  return numel;
+}
+
 // What every step does once an element's weight after the step is known: the update clip
 // (w_before + c * (w' - w_before) where c < 1), the statistics, the weight's store.
 template <typename scalar_t, bool kStats>
@@ -448,8 +463,9 @@ void adam_chunk_inline(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t*
   const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
   const VA scale_v(c.scale_acc);
   const bool decay = h.has_weight_decay && h.decoupled;
+  int64_t tail_at = next_tail(c.tail, c.offset, c.numel) - c.offset;  // chunk-local, may be >= n
   for (int64_t i = 0; i < n;) {
-    if (i + kStep <= n && !c.tail.any(c.offset + i, kStep, c.numel)) {
+    if (i + kStep <= n && i + kStep <= tail_at) {
       prefetch_ahead(w, i, n);
       prefetch_ahead(g, i, n);
       prefetch_ahead(m, i, n);
@@ -475,6 +491,7 @@ void adam_chunk_inline(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t*
       fin.scalar(w + i, w_before, s.w, s.m, used, s.root);
       if (c.write) store_moments(m, v, v_max, i, s);
     }
+    if (i > tail_at) tail_at = next_tail(c.tail, c.offset + i, c.numel) - c.offset;
   }
 }
 
@@ -557,8 +574,9 @@ void sgd_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scal
   const VecStep<scalar_t> vec(h);
   const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
   const VA scale_v(c.scale_acc);
+  int64_t tail_at = next_tail(c.tail, c.offset, c.numel) - c.offset;  // chunk-local, may be >= n
   for (int64_t i = 0; i < n;) {
-    if (i + kStep <= n && !c.tail.any(c.offset + i, kStep, c.numel)) {
+    if (i + kStep <= n && i + kStep <= tail_at) {
       const V2<acc_t> w_before = load2(w + i);
       V2<acc_t> wv = w_before, gv = load2(g + i), mv = m ? load2(m + i) : zeros;
       if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
@@ -578,6 +596,7 @@ void sgd_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scal
       fin.scalar(w + i, w_before, s.w, s.m, acc_t(0), acc_t(0));
       if (c.write && m) m[i] = static_cast<scalar_t>(s.m);
     }
+    if (i > tail_at) tail_at = next_tail(c.tail, c.offset + i, c.numel) - c.offset;
   }
 }
 
@@ -620,8 +639,10 @@ void step_chunks_typed(const StepArgs& a, int64_t begin, int64_t end, step_acc_o
     while (fc[t + 1] <= c) ++t;
     if (params_of != t) {
       h = StepParams<scalar_t, acc_t>::from_row(a.coefs + t * kNumStepCoefs, rule);
-      // only a 16-bit `add` with alpha differs between torch's loops
-      tail = std::is_same_v<scalar_t, acc_t> ? TorchTail{} : TorchTail::of(a.params[t].numel, a.torch_threads);
+      // only a 16-bit `add` with alpha differs between torch's loops (SGD; Adam's L2 decay)
+      const bool adds_alpha = rule == UpdateRule::kSGD || (h.has_weight_decay && !h.decoupled);
+      tail = std::is_same_v<scalar_t, acc_t> || !adds_alpha ? TorchTail{}
+                                                             : TorchTail::of(a.params[t].numel, a.torch_threads);
       params_of = t;
     }
     const int64_t offset = (c - fc[t]) * kChunkElems;

@@ -106,7 +106,13 @@ class _Lists:
 def _is_kernel_layout(p: torch.Tensor, tensors) -> bool:
     """Whether the kernels can take ``p`` with ``tensors`` (its gradient and state): dense,
     contiguous, all of one shape."""
-    return p.is_contiguous() and all(t.numel() == 0 or (t.is_contiguous() and t.shape == p.shape) for t in tensors)
+    if not p.is_contiguous():
+        return False
+    shape = p.shape
+    for t in tensors:  # a loop, not all(): this runs for every parameter at every step
+        if t.numel() and not (t.is_contiguous() and t.shape == shape):
+            return False
+    return True
 
 
 class _Made:
@@ -122,6 +128,7 @@ class _Made:
 def _sgd_lists(optimizer, groups: dict, slow: list, made: _Made):
     for group in optimizer.param_groups:
         momentum = group["momentum"]
+        rows = {first: sgd_row(group, first) for first in (False, True)}  # one list per row: one table row
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -135,8 +142,7 @@ def _sgd_lists(optimizer, groups: dict, slow: list, made: _Made):
                     first = True
                     buf = state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
                     made.entries.append((p, ("momentum_buffer",)))
-            row = sgd_row(group, first)
-            _add(groups, slow, p, g, buf, None, None, row)
+            _add(groups, slow, p, g, buf, None, None, rows[first])
 
 
 def _adam_lists(optimizer, groups: dict, slow: list, made: _Made):
@@ -184,16 +190,24 @@ def _grad_of(optimizer, p: torch.Tensor) -> torch.Tensor:
     return g
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _add(groups: dict, slow: list, p, g, m, v, v_max, row) -> None:
-    lp, layout = distributed.local_and_layout("parameter", p)
-    lg = distributed.local_tensor(g)
-    state = [distributed.local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
+    if type(p) in _PLAIN and type(g) in _PLAIN:  # the usual case, without the DTensor look-ups
+        lp, layout, lg = p, None, g
+        state = [t if t is not None else _empty(lp) for t in (m, v, v_max)]
+    else:
+        lp, layout = distributed.local_and_layout("parameter", p)
+        lg = distributed.local_tensor(g)
+        state = [distributed.local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
     entry = (p, lp, lg, state, row, layout)
     if not _is_kernel_layout(lp, [lg, *state]):
         slow.append(entry)
         return
     # one group per sharding layout too: its rows are reduced over the layout's mesh in one block
-    lists = groups.setdefault((layout_key(layout), lp.device, lp.dtype), _Lists())
+    key = (layout_key(layout), lp.device, lp.dtype)
+    lists = groups.get(key) or groups.setdefault(key, _Lists())
     lists.layout = layout
     lists.users.append(p)
     lists.params.append(lp)
@@ -228,7 +242,7 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
     out, out_coefs = [], []
     for lists in groups.values():
         device = lists.params[0].device
-        coefs = torch.tensor(lists.rows, dtype=torch.float64)
+        coefs = _table(lists.rows)
         if device.type != "cpu":
             coefs = coefs.pin_memory().to(device, non_blocking=True)
         scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
@@ -251,6 +265,15 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
     if skip is not None and (made.entries or made.steps):  # the host hears of the flag at the next step
         optimizer._pending_skip = (HostCopy([skip.reshape(())]), made)
     return out, out_coefs
+
+
+def _table(rows: list[list[float]]) -> torch.Tensor:
+    """The step's table, one row per tensor (float64, on the CPU). Tensors of one group at one
+    step share one row list: one row built, repeated."""
+    first = rows[0]
+    if all(r is first for r in rows):
+        return torch.tensor(first, dtype=torch.float64).expand(len(rows), -1).contiguous()
+    return torch.tensor(rows, dtype=torch.float64)
 
 
 def _whole(rows: tuple[torch.Tensor, torch.Tensor], lists: _Lists) -> tuple[torch.Tensor, torch.Tensor]:
