@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradfuse.optim  # noqa: E402
+from gradfuse.ops import library  # noqa: E402
 
 
 def gpt2_shapes(layers: int, vocab: int = 50257, d: int = 768, ctx: int = 1024) -> list[tuple[int, ...]]:
@@ -37,11 +38,28 @@ def make_params(shapes, dtype, seed=0):
     return params
 
 
+class CorrectlyRoundedRoot:
+    """gradfuse.optim.AdamW with a correctly rounded square root (the CUDA kernels' and torch's
+    fused=True's) in place of torch's CPU one (MKL's, which the exact step must call for float32):
+    what matching torch's default costs. Not bit for bit torch's default step."""
+
+    def __init__(self, params):
+        self.opt = gradfuse.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+    def step(self):
+        library.extension.set_step_torch_sqrt(False)
+        try:
+            self.opt.step()
+        finally:
+            library.extension.set_step_torch_sqrt(True)
+
+
 VARIANTS = {
     "torch (for-loop, the CPU default)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False),
     "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True),
     "torch fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
     "gradfuse.optim.AdamW": lambda ps: gradfuse.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+    "gradfuse.optim.AdamW, correctly rounded root": CorrectlyRoundedRoot,
 }
 
 

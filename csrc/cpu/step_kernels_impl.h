@@ -5,9 +5,7 @@
 // intermediate that torch stores as a tensor is rounded to scalar_t (float16 / bfloat16 go
 // through float, as torch's kernels do). Steps that hold an element torch would run in its
 // scalar tail (TorchTail; 16-bit `add` with alpha only) and the last elements of a chunk take the
-// scalar function. Weight, gradient and state are read once and written once. Adam's square
-// root is taken in the loop, or, where it is MKL's (torch's float and double sqrt on x86), a
-// block at a time by one call, the block waiting in L1 meanwhile.
+// scalar function. Weight, gradient and state are read once and written once.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -143,22 +141,6 @@ inline Vectorized<acc_t> vfma(const Vectorized<acc_t>& a, const Vectorized<acc_t
   for (int i = 0; i < n; ++i) x[i] = std::fma(x[i], y[i], z[i]);
   return Vectorized<acc_t>::loadu(x);
 #endif
-}
-
-// sqrt_to lane-wise.
-template <typename scalar_t>
-GRADFUSE_STEP_INLINE V2<step_acc_of<scalar_t>> sqrt2(const V2<step_acc_of<scalar_t>>& v) {
-  using acc_t = step_acc_of<scalar_t>;
-  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    constexpr int n = Vectorized<acc_t>::size();
-    acc_t x[2 * n];
-    v.lo.store(x);
-    v.hi.store(x + n);
-    for (int i = 0; i < 2 * n; ++i) x[i] = sqrt_to<scalar_t>(x[i]);
-    return {Vectorized<acc_t>::loadu(x), Vectorized<acc_t>::loadu(x + n)};
-  } else {
-    return round2<scalar_t>(map2(v, [](const Vectorized<acc_t>& a) { return a.sqrt(); }));
-  }
 }
 
 // The vector forms of step_math.h's adam_moments, adam_finish and sgd_element, for kStepElems
@@ -412,16 +394,6 @@ struct ChunkFinish {
   }
 };
 
-// Whether Adam's root is taken element by element in the one loop: a root that needs no call
-// (bfloat16; float and double where torch's sqrt is correctly rounded). MKL's roots (float and
-// double, on x86 builds of torch) are taken a block at a time; float16's by double, lane by lane.
-template <typename scalar_t>
-inline bool root_inline(const StepArgs& a) {
-  if constexpr (std::is_same_v<scalar_t, float>) return a.sqrt_f32 == nullptr;
-  if constexpr (std::is_same_v<scalar_t, double>) return a.sqrt_f64 == nullptr;
-  return std::is_same_v<scalar_t, c10::BFloat16>;
-}
-
 // One Adam element by the scalar functions (a torch scalar-tail element, or a chunk's last ones).
 template <typename scalar_t>
 inline StepState<step_acc_of<scalar_t>> adam_moments_at(const ChunkCtx<scalar_t>& c, const scalar_t* w,
@@ -451,60 +423,16 @@ inline void store_moments2(scalar_t* m, scalar_t* v, scalar_t* v_max, int64_t i,
   if (v_max) store2(v_max + i, xv);
 }
 
-// Adam with its root taken in the loop (root_inline): each element read once and finished at once.
-template <typename scalar_t, bool kStats>
-void adam_chunk_inline(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, scalar_t* v,
-                       scalar_t* v_max, int64_t n, ChunkFinish<scalar_t, kStats>& fin) {
-  using acc_t = step_acc_of<scalar_t>;
-  using VA = Vectorized<acc_t>;
-  constexpr int64_t kStep = kStepElems<scalar_t>;
-  const auto& h = c.h;
-  const VecStep<scalar_t> vec(h);
-  const V2<acc_t> zeros{VA(acc_t(0)), VA(acc_t(0))};
-  const VA scale_v(c.scale_acc);
-  const bool decay = h.has_weight_decay && h.decoupled;
-  int64_t tail_at = next_tail(c.tail, c.offset, c.numel) - c.offset;  // chunk-local, may be >= n
-  for (int64_t i = 0; i < n;) {
-    if (i + kStep <= n && i + kStep <= tail_at) {
-      prefetch_ahead(w, i, n);
-      prefetch_ahead(g, i, n);
-      prefetch_ahead(m, i, n);
-      prefetch_ahead(v, i, n);
-      prefetch_ahead(v_max, i, n);
-      const V2<acc_t> w_before = load2(w + i);
-      V2<acc_t> gv = load2(g + i), mv = load2(m + i), vv = load2(v + i);
-      V2<acc_t> xv = v_max ? load2(v_max + i) : zeros;
-      if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
-      const V2<acc_t> used = vec.adam_moments(gv, w_before, mv, vv, xv);
-      V2<acc_t> wv = decay ? vec.decayed(w_before) : w_before, root;
-      vec.adam_finish(sqrt2<scalar_t>(used), mv, wv, root);
-      fin.vec(w + i, w_before, wv, mv, used, root);
-      if (c.write) store_moments2(m, v, v_max, i, mv, vv, xv);
-      i += kStep;
-      continue;
-    }
-    for (const int64_t end = std::min(n, i + kStep); i < end; ++i) {
-      acc_t used;
-      StepState<acc_t> s = adam_moments_at(c, w, g, m, v, v_max, i, used);
-      const acc_t w_before = static_cast<acc_t>(w[i]);
-      adam_finish(h, sqrt_to<scalar_t>(used), s);
-      fin.scalar(w + i, w_before, s.w, s.m, used, s.root);
-      if (c.write) store_moments(m, v, v_max, i, s);
-    }
-    if (i > tail_at) tail_at = next_tail(c.tail, c.offset + i, c.numel) - c.offset;
-  }
-}
-
-// Elements per Adam block where the roots are a call (not root_inline): the moments of the block
-// first, then its roots in one call, then the weights; the block's m' and v' wait in these
-// buffers (in L1), so memory is read once.
+// Elements per Adam block: the moments of the block first, then its roots (one call where they are
+// MKL's), then the weights; the block's m' and v' wait in these buffers (in L1), so memory is read
+// once. Two short dependency chains: one long one per element (some eight roundings, a root and two
+// quotients) left the core waiting on its latency.
 constexpr int64_t kAdamBlock = 512;
 
 // Adam over one chunk: elements [0, n) at w, g, m, v, v_max (state pointers null where absent).
 template <typename scalar_t, bool kStats>
 void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, scalar_t* m, scalar_t* v,
                 scalar_t* v_max, int64_t n, ChunkFinish<scalar_t, kStats>& fin) {
-  if (root_inline<scalar_t>(c.a)) return adam_chunk_inline<scalar_t, kStats>(c, w, g, m, v, v_max, n, fin);
   using acc_t = step_acc_of<scalar_t>;
   using VA = Vectorized<acc_t>;
   constexpr int64_t kStep = kStepElems<scalar_t>;
@@ -681,3 +609,5 @@ void step_chunks(const StepArgs& a, int64_t begin, int64_t end, void* float_part
 }
 
 }  // namespace gradfuse::cpu::CPU_CAPABILITY
+
+#undef GRADFUSE_STEP_INLINE
