@@ -22,6 +22,13 @@ def model_and_batches(seed=0):
     return model, [torch.randn(8, 12, generator=g) for _ in range(6)]
 
 
+def backward(model, x, planted_nan=False):
+    """A step's gradients (large enough to need clipping), a NaN planted in one when asked."""
+    model(x).square().sum().mul(10.0).backward()
+    if planted_nan:
+        model[0].bias.grad[0] = math.nan
+
+
 def train(tmp_path, fused_step, blocking=True, nan_at=None):
     model, xs = model_and_batches()
     opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -33,9 +40,7 @@ def train(tmp_path, fused_step, blocking=True, nan_at=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skip warns
         for step, x in enumerate(xs):
-            model(x).square().sum().mul(10.0).backward()
-            if step == nan_at:
-                model[0].bias.grad[0] = math.nan
+            backward(model, x, planted_nan=step == nan_at)
             report = monitor.step()
             if blocking and report.skip:
                 opt.zero_grad()
@@ -178,9 +183,7 @@ def train_update_clip(tmp_path, case, mode, update_ratios=False, nan_at=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skip warns
         for step, x in enumerate(xs):
-            model(x).square().sum().mul(10.0).backward()
-            if step == nan_at:
-                model[0].bias.grad[0] = math.nan
+            backward(model, x, planted_nan=step == nan_at)
             report = monitor.step()
             if not report.skip:
                 opt.step(**({"max_update_rms": d} if mode == "explicit" else {}))
