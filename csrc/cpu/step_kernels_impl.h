@@ -330,15 +330,6 @@ inline V2<step_acc_of<scalar_t>> load_acc(const step_acc_of<scalar_t>* x) {
   return {VA::loadu(x), VA::loadu(x + VA::size())};
 }
 
-// Elements an iteration prefetches ahead: the next block's lines are in flight while this block
-// waits on its square roots or its arithmetic.
-constexpr int64_t kPrefetchElems = 512;
-
-template <typename scalar_t>
-inline void prefetch_ahead(const scalar_t* p, int64_t i, int64_t n) {
-  if (p != nullptr && i + kPrefetchElems < n) __builtin_prefetch(p + i + kPrefetchElems);
-}
-
 // The first element at or after i (of numel) that torch runs in a scalar tail, numel if none:
 // the tails are the last (range length % step) elements of each of TorchTail's ranges.
 inline int64_t next_tail(const TorchTail& t, int64_t i, int64_t numel) {
@@ -449,11 +440,6 @@ void adam_chunk(const ChunkCtx<scalar_t>& c, scalar_t* w, const scalar_t* g, sca
     for (int64_t k = 0; k < len;) {
       const int64_t i = b + k;
       if (k < vec_len) {
-        prefetch_ahead(w, i, n);
-        prefetch_ahead(g, i, n);
-        prefetch_ahead(m, i, n);
-        prefetch_ahead(v, i, n);
-        prefetch_ahead(v_max, i, n);
         V2<acc_t> gv = load2(g + i), mv = load2(m + i), vv = load2(v + i);
         V2<acc_t> xv = v_max ? load2(v_max + i) : zeros;
         if (c.scale) gv = round2<scalar_t>(map2(gv, [&](const VA& x) { return x * scale_v; }));
