@@ -73,9 +73,11 @@ def read_host_resident(tensors: list[torch.Tensor]) -> list[float]:
     the CPU unless ``capturable`` or ``fused``), as floats, in one read: of host memory, which
     waits for no device (``is_host_copy`` says so of it). Counters found on a device (a state
     saved by a ``fused=True`` optimizer) are read from there, which waits."""
-    try:
-        values = torch.stack(tensors)  # the usual case: 0-d counters on one device, one op
+    try:  # the usual case, one op: one-element counters of one shape on one device
+        values = torch.stack(tensors).reshape(-1)
     except RuntimeError:
+        values = None
+    if values is None or values.numel() != len(tensors):
         values = torch.stack([t.reshape(()).to("cpu", torch.float64) for t in tensors])
     if values.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
         setattr(values, _MARK, True)
