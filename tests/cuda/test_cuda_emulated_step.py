@@ -24,6 +24,7 @@ import cuda_emu
 import pytest
 import torch
 from emu_fixtures import RERUN, rerun_reversed, rerun_under_sanitizers, rerun_with_fma
+from emu_grid import CHUNK, grid_params, plant, randn
 
 from gradfuse.ops import library, step_reference
 from gradfuse.ops.layout import NUM_STEP_COEFS, RULE_ADAM, RULE_SGD
@@ -33,8 +34,6 @@ pytestmark = pytest.mark.skipif(library.extension is None or not hasattr(torch.o
                                                                          "multi_tensor_optim_step_"),
                                 reason="gradfuse._C (the CPU step compared with) not built")
 
-CHUNK = 65536
-SIZES = [0, 1, 7, 33, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5]
 SGD_DEFAULTS = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
 ADAM_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
 
@@ -82,10 +81,6 @@ def correctly_rounded_sqrt():
     library.extension.set_step_torch_sqrt(True)
 
 
-def randn(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
 
 def coefs_of(config, n):
     """The table of n tensors, the learning rate varied per tensor."""
@@ -125,27 +120,6 @@ def state_of(config, params, dtype, seed=0, plant_values=False):
         m2s.append(v if "v" in present else empty)
         maxs.append(vm if "x" in present else empty)
     return grads, m1s, m2s, maxs
-
-
-def plant(x, seed):
-    """NaN, +-Inf and zeros at chunk / pack boundaries and in tails of a flat view."""
-    v = x.view(-1)
-    n = v.numel()
-    at = lambda *idx: [i % n for i in idx]  # noqa: E731
-    v[at(0, CHUNK - 1, n - 1)] = math.nan
-    v[at(1, CHUNK + 2 + seed)] = math.inf
-    v[at(17, n - 2)] = -math.inf
-    v[at(2, 3, n - 3)] = 0.0
-    return x
-
-
-def grid_params(dtype, seed=0):
-    """Every size, a 2-D one, and views whose storage offset misaligns them for 16-byte loads."""
-    params = [randn((n,), dtype, seed + i) for i, n in enumerate(SIZES)]
-    params.append(randn((300, 77), dtype, seed + 50))
-    params.append(randn(CHUNK + 41, dtype, seed + 51)[3:CHUNK + 40])  # misaligned, across chunks
-    params.append(randn(1000, dtype, seed + 52)[1:])
-    return params
 
 
 def misaligned_like(ts, shift=1):

@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import torch
 from emu_fixtures import FMA, SANITIZED, rerun_under_sanitizers, rerun_with_fma
+from emu_grid import CHUNK, grid_params, plant, randn
 
 from gradfuse.ops import update_reference
 
-CHUNK = 65536
-SIZES = [0, 1, 7, 33, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5]
 SGD, ADAM = 0, 1
 MAXIMIZE, NESTEROV, AMSGRAD, DECOUPLED = 1, 2, 4, 8
 
@@ -47,10 +46,6 @@ CONFIGS = {
     "adam_eps_dominated": (ADAM, 1e-3, 0.0, 0.9, 0.999, 0.5, 30, 0, "mv"),
 }
 
-
-def randn(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def acc_dtype(dtype):
@@ -201,28 +196,6 @@ def make_state(config, params, dtype, seed=0, plant_values=False):
         m2s.append(v if "v" in present else empty)
         maxs.append(vm if "x" in present else empty)
     return grads, m1s, m2s, maxs
-
-
-def plant(x, seed):
-    """NaN, +-Inf and zeros at chunk / pack boundaries and in tails of a flat view."""
-    v = x.view(-1)
-    n = v.numel()
-    at = lambda *idx: [i % n for i in idx]  # noqa: E731
-    v[at(0, CHUNK - 1, n - 1)] = math.nan
-    v[at(1, CHUNK + 2 + seed)] = math.inf
-    v[at(17, n - 2)] = -math.inf
-    v[at(2, 3, n - 3)] = 0.0
-    return x
-
-
-def grid_params(dtype, seed=0):
-    """Every size, a 2-D one, and views whose storage offset misaligns them for 16-byte loads."""
-    params = [randn((n,), dtype, seed + i) for i, n in enumerate(SIZES)]
-    params.append(randn((300, 77), dtype, seed + 50))
-    base = randn(CHUNK + 41, dtype, seed + 51)
-    params.append(base[3:CHUNK + 40])  # misaligned, across chunks
-    params.append(randn(1000, dtype, seed + 52)[1:])
-    return params
 
 
 def misaligned_like(ts, shift=1):
