@@ -167,8 +167,10 @@ struct VecStep {
   // a / bc2_sqrt, a being a square root (0 to 2^64, inf or NaN). The divider bounds this loop, so
   // for float (and bc2_sqrt in [2^-30, 1], which every beta2 below 1 - 2^-60 gives) the quotient is
   // Markstein's: q = a * (1 / c) corrected once by the exact remainder a - q * c, which is the
-  // correctly rounded a / c there (checked on every such float a, for divisors across that
-  // range); where the remainder is 0 (q exact) or NaN (a is inf or NaN), q itself.
+  // correctly rounded a / c where nothing overflows or underflows, as these ranges ensure
+  // (Markstein's theorem, 1 / c being correctly rounded; test_optim_exact.py checks roots across
+  // the float range against torch's division); where the remainder is 0 (q exact) or NaN (a is
+  // inf or NaN), q itself.
   inline VA over_bc2_sqrt(const VA& a) const {
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<acc_t, float>) {
