@@ -25,10 +25,14 @@ import torch
 
 from gradfuse.ops.layout import MAX_FLOAT_COLUMNS, NAN, POWSUM, SUMMED_FLOAT_COLUMNS
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 def is_plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain ``torch.Tensor``, not a subclass such as a DTensor."""
-    return type(t) is torch.Tensor
+    """Whether ``t`` is a plain ``torch.Tensor`` or ``nn.Parameter``, not a subclass such as a
+    DTensor (a DTensor parameter's type is DTensor's): one type check, on every parameter of a
+    step."""
+    return type(t) in _PLAIN_TYPES
 
 
 def may_have_dtensors(tensors: list[torch.Tensor]) -> bool:

@@ -190,25 +190,20 @@ def _grad_of(optimizer, p: torch.Tensor) -> torch.Tensor:
     return g
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _add(groups: dict, slow: list, p, g, m, v, v_max, row) -> None:
-    if type(p) in _PLAIN and type(g) in _PLAIN:  # the usual case, without the DTensor look-ups
-        lp, layout, lg = p, None, g
-        state = [t if t is not None else _empty(lp) for t in (m, v, v_max)]
-    else:
-        lp, layout = distributed.local_and_layout("parameter", p)
-        lg = distributed.local_tensor(g)
-        state = [distributed.local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
+    lp, layout = distributed.local_and_layout("parameter", p)
+    lg = distributed.local_tensor(g)
+    state = [distributed.local_tensor(t) if t is not None else _empty(lp) for t in (m, v, v_max)]
     entry = (p, lp, lg, state, row, layout)
     if not _is_kernel_layout(lp, [lg, *state]):
         slow.append(entry)
         return
     # one group per sharding layout too: its rows are reduced over the layout's mesh in one block
     key = (layout_key(layout), lp.device, lp.dtype)
-    lists = groups.get(key) or groups.setdefault(key, _Lists())
-    lists.layout = layout
+    lists = groups.get(key)
+    if lists is None:
+        lists = groups[key] = _Lists()
+        lists.layout = layout
     lists.users.append(p)
     lists.params.append(lp)
     lists.grads.append(lg)
