@@ -240,7 +240,7 @@ class GradStats:
     @property
     def zero_fraction(self) -> torch.Tensor:
         """Fraction of elements equal to zero per row (float64 ``[n]``); 0 for an empty tensor."""
-        return self._memo("zero_fraction", lambda: self.zero_count / self.numel.clamp(min=1))
+        return self._memo("zero_fraction", lambda: self.zero_count.to(self.floats.dtype) / self.numel.clamp(min=1))
 
     @property
     def nonfinite(self) -> torch.Tensor:

@@ -15,9 +15,11 @@ all-gather per step (``gradfuse.core.fragments``): the rows are those of the ful
 gradients, the same on every rank, never gathered per parameter. The clip scales the fragments
 in place, which is what DeepSpeed's step then reads; DeepSpeed's own ``gradient_clipping`` is
 off while gradfuse clips. A step a policy skips is handed to DeepSpeed as an overflow step
-(stages 1-3: its gradient fragments are set to NaN, which DeepSpeed's overflow check sees; stage
-0: the optimizer's step is not called and ``optimizer.overflow`` is set), so DeepSpeed skips it
-its own way: ``engine.skipped_steps`` counts it and the LR scheduler does not advance.
+(stages 1-3: one element of a gradient fragment is set to NaN for DeepSpeed's overflow check and
+given back its value after DeepSpeed's step, so nothing of it stays in the buffers DeepSpeed
+keeps; stage 0: the optimizer's step is not called and ``optimizer.overflow`` is set), so
+DeepSpeed skips it its own way: ``engine.skipped_steps`` counts it and the LR scheduler does not
+advance.
 
 The private accessors read here were checked against DeepSpeed ``TESTED_VERSIONS``; a DeepSpeed
 outside that range is refused, as are configurations whose gradients are elsewhere (optimizer or
@@ -319,14 +321,33 @@ class DeepSpeedAttachment:
             self.optimizer.overflow = True
             return None
         # DeepSpeed's own overflow skip: gradients released, loss scale and LR scheduler kept.
-        _names, fragments = self._watch.named_grads()
-        for f in fragments:
-            f.fill_(math.nan)
-        out = inner(*args, **kwargs)
+        planted = self._plant_nan()
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            if planted is not None:
+                element, value = planted
+                element.copy_(value)
         if not getattr(self.optimizer, "overflow", False):
             raise RuntimeError("gradfuse: DeepSpeed did not skip the step gradfuse's policy skipped "
                                "(its overflow check did not see the NaN gradients)")
         return out
+
+    def _plant_nan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sets one element of this rank's gradient fragments to NaN, for DeepSpeed's overflow
+        check (it and the norm are reduced over the ranks, so one element on any rank is seen by
+        all): the element (a 0-d view) and its value, to be put back after DeepSpeed's step. At
+        stage 3 the fragments are views of one buffer DeepSpeed keeps across steps, and a
+        parameter that gets no gradient next step would carry a NaN left there into every later
+        step. None where this rank holds no element."""
+        _names, fragments = self._watch.named_grads()
+        target = next((f for f in fragments if f.numel()), None)
+        if target is None:
+            return None
+        element = target[(0,) * target.dim()]
+        value = element.clone()
+        element.fill_(math.nan)
+        return element, value
 
     @contextlib.contextmanager
     def _deepspeed_clip_restored(self):

@@ -32,8 +32,17 @@ def test_stats_fields_follow_vector_norm(device, dtype):
         assert s.zero_count[i].item() == (g == 0).sum().item()
         assert s.zero_fraction[i].item() == pytest.approx((g == 0).sum().item() / max(g.numel(), 1))
     assert s.l2[1].item() == 0 and s.zero_fraction[1].item() == 0
+    for column in (s.l2, s.linf, s.mean, s.zero_fraction):
+        assert column.dtype == torch.float64
     assert not bool(s.nonfinite)
     assert s.total_norm.dtype == dtype and s.total_norm.device == grads[0].device
+
+
+def test_zero_fraction_is_the_float64_quotient():
+    p = nn.Parameter(torch.empty(31))
+    p.grad = torch.cat([torch.zeros(15), torch.ones(16)])
+    fraction = gradfuse.stats([p]).zero_fraction
+    assert fraction.dtype == torch.float64 and fraction.item() == 15 / 31  # float32 would give 0.4838709533
 
 
 def test_module_source_skips_none_grads():

@@ -7,6 +7,7 @@ import functools
 import glob
 import importlib
 import json
+import math
 import os
 import warnings
 
@@ -298,11 +299,102 @@ def check_per(rank, world):
             assert (p.detach() - make_model().get_parameter(name)).abs().max() > 1e-4  # moved
 
 
+class Spare(nn.Module):
+    """What real models have beside their used layers: an embedding tied to the output head, a
+    layer with a parameter the forward never uses (``mixed.offset``), a layer it never calls
+    (``spare``), and embedding rows no input token selects."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.body = nn.Linear(6, 6)
+        self.mixed = nn.Module()
+        self.mixed.scale = nn.Parameter(torch.ones(6))
+        self.mixed.offset = nn.Parameter(torch.zeros(6))
+        self.spare = nn.Linear(6, 3)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.body(self.embed(tokens))) * self.mixed.scale)
+
+
+def spare_engine(stage, dtype):
+    import deepspeed
+    model = Spare()
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUMULATE,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, model
+
+
+def spare_loss(engine, step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    tokens, targets = torch.randint(0, 7, (BATCH, 5), generator=g), torch.randint(0, 11, (BATCH, 5), generator=g)
+    return nn.functional.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten()) * 10
+
+
+SKIPPED = 2  # the step whose gradient gets a NaN on rank 0
+SPARE_STEPS = 5
+
+
+def check_skip_leaves_nothing(stage, dtype, rank, world):
+    """A NaN in one gradient on one rank, one step: that step skipped on both ranks, every later
+    step trains (the parameters that get no gradient included); the weights are those of a run in
+    which the step was never taken."""
+    G, model = spare_engine(stage, dtype)
+    R, _ = spare_engine(stage, dtype)
+    planted = {"on": False}
+    model.body.weight.register_hook(lambda g: g * math.nan if planted["on"] else g)
+    handles = [gradfuse.attach(e, max_norm=MAX_NORM, on_nonfinite="skip", every=0) for e in (G, R)]
+    start = full_weights(G, stage)
+    moved = []
+    for step in range(SPARE_STEPS):
+        before = full_weights(G, stage)
+        for micro in range(ACCUMULATE):
+            planted["on"] = step == SKIPPED and micro == 0 and rank == 0
+            G.backward(spare_loss(G, step, micro, rank))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the skip's own warning
+                G.step()
+            if step != SKIPPED:
+                R.backward(spare_loss(R, step, micro, rank))
+                R.step()
+        report, after = handles[0].last_report, full_weights(G, stage)
+        if step == SKIPPED:
+            assert report.skip and report.anomalies == ["nonfinite"], (step, report.anomalies)
+            assert report.stats.nonfinite_names() == ["body.weight"], report.stats.nonfinite_names()
+            assert all(torch.equal(before[n], after[n]) for n in after)
+        else:
+            assert not report.skip and report.anomalies == [], (step, report.anomalies)
+            moved.append(max((after[n] - before[n]).abs().max().item() for n in after))
+    assert G.skipped_steps == 1 and handles[0].monitor.skipped_steps == 1, G.skipped_steps
+    assert R.skipped_steps == 0 and R.global_steps == SPARE_STEPS - 1
+    assert min(moved) > 1e-4, moved  # every step but the skipped one trained
+    ours, theirs = full_weights(G, stage), full_weights(R, stage)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+    # nothing moved what gets no gradient; what does, moved
+    assert torch.equal(ours["spare.weight"], start["spare.weight"])
+    assert torch.equal(ours["mixed.offset"], start["mixed.offset"])
+    assert (ours["embed.weight"] - start["embed.weight"]).abs().max() > 1e-3
+    for handle in handles:
+        handle.detach()
+
+
 CHECKS = {
     **{f"stage{s}_fp32": functools.partial(check_stage, s, torch.float32) for s in (0, 1, 2, 3)},
     **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (0, 1, 2, 3)},
     "options": check_options,
     "per": check_per,
+    **{f"skip_spare_stage{s}_fp32": functools.partial(check_skip_leaves_nothing, s, torch.float32)
+       for s in (0, 1, 2, 3)},
+    "skip_spare_stage3_bf16": functools.partial(check_skip_leaves_nothing, 3, torch.bfloat16),
 }
 
 
