@@ -6,7 +6,7 @@ What is decided where: the flag (non-finite, explosion, spike) and the skip on t
 the step; everything the host does with it (warnings, counters, a ``"raise"``, dumps, records)
 at the next ``step``, ``flush``, ``close`` or ``state_dict``, from the host copies.
 
-Layer: monitor. Imports ``gradfuse.core`` and the monitor's policies and device skip.
+Layer: monitor. Imports ``gradfuse.core`` and the monitor's policies, device skip and record.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from gradfuse.core.host_copy import HostCopy
 from gradfuse.monitor.device_skip import StepHandoff, device_skip_kind
 from gradfuse.monitor.policies import skip_bits
+from gradfuse.monitor.record import HeadroomTake
 from gradfuse.utils import warn
 
 
@@ -63,10 +64,15 @@ class Pending:
     max_norm: float | None = None  # read: the max_norm the record logs
 
     @classmethod
-    def start(cls, plan, report, capture, flags, clipped, snapshot, max_norm_now, *, copy_stats: bool) -> Pending:
-        """Starts the host copies of a step (``copy_stats``: the record's statistics too)."""
+    def start(cls, plan, report, capture, flags, clipped, snapshot, max_norm_now, *, copy_stats: bool,
+              headroom_of=None) -> Pending:
+        """Starts the host copies of a step (``copy_stats``: the record's statistics too;
+        ``headroom_of``: the monitor's source, whose exponent histograms a logging step takes now,
+        as the optimizer gets the gradients: when its record is written they are gone)."""
         if copy_stats:
             report.stats.start_host_copy()
+        if headroom_of is not None:
+            report.headroom = HeadroomTake(headroom_of if plan.log_now else None)
         logged = report.stats.max_norm if report.stats.max_norm is not None else max_norm_now
         logged = getattr(logged, "last_threshold", logged)  # a ZClip: its threshold of the step
         report.settled = False

@@ -162,9 +162,11 @@ class GradMonitor:
             ``settled=False``; the host fills in its ``skip``, ``anomalies``, ``message`` and
             ``dump`` when it settles it. Needs ``optimizer`` (one whose step takes a device
             skip) when a policy can skip or raise; with any other optimizer the monitor warns
-            once and blocks as with True. Not with ``noise_scale``, ``update_ratios``,
-            ``update_every``, ``max_update_rms``, ``histogram``, ``activations`` or
-            ``trace_nonfinite``, which read the host on the step.
+            once and blocks as with True. ``histogram``: taken at the logging step, written
+            from its host copy (a skipped step's of its clipped gradients; none on the record
+            of a step that did not log). Not
+            with ``noise_scale``, ``update_ratios``, ``update_every``, ``max_update_rms``,
+            ``activations`` or ``trace_nonfinite``, which read the host on the step.
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
             parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
@@ -264,7 +266,7 @@ class GradMonitor:
         check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
                            optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
-                           reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios, histogram=histogram,
+                           reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios,
                                               update_every=update_every, max_update_rms=max_update_rms,
                                               activations=activations, trace_nonfinite=trace_nonfinite),
                            fused_step=fused_step, max_norm=max_norm, per=per)
@@ -277,10 +279,8 @@ class GradMonitor:
         self._call_name = "gradfuse GradMonitor.step()"  # what the double-clipping warning names
         self._double_clip = (DoubleClipCheck(self._watch.params, self._watch.names)
                              if check_double_clip and clip.modes else None)
-        self._double_clip_warned = False
         self._max_norm_now = None  # the max_norm of the latest step (a number, or a device threshold)
-        self.every = every
-        self.on_nonfinite = on_nonfinite
+        self.every, self.on_nonfinite = every, on_nonfinite
         self.explode_threshold = explode_threshold
         self.on_explode = on_explode if explode_threshold is not None else "ignore"
         self.sinks = list(sinks)
@@ -564,7 +564,8 @@ class GradMonitor:
         clipped = self._clip(plan, report, skip)
         snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
-                                      copy_stats=bool(self.sinks) and (plan.log_now or flags is not None))
+                                      copy_stats=bool(self.sinks) and (plan.log_now or flags is not None),
+                                      headroom_of=self.source if self.histogram and self.sinks else None)
 
     def _settle(self) -> None:
         """``blocking=False``: the previous step, acted on from its host copies: its decision
@@ -609,8 +610,9 @@ class GradMonitor:
         # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
         name = None if self._double_clip is None else self._double_clip.changed(
             1 if self._amp_active() and not fused_unscale else 0)
-        if name is not None and not self._double_clip_warned:
-            self._double_clip_warned = True
+        if name is not None:  # warned once: the check goes
+            self._double_clip.remove()
+            self._double_clip = None
             warn(double_clip_message(self._call_name, name))
 
     def micro_step(self) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.engine import fused_stats
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.core.params import named_grads
 from gradfuse.core.watch import GradWatch
 from gradfuse.monitor.report import StepReport
@@ -52,7 +53,7 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now, logged_m
         "counters": monitor.counters(),
         "params": d["params"],
         "layers": report.stats.layers(monitor.layer_depth),
-        **(_headroom_fields(monitor.source, monitor.layer_depth) if monitor.histogram else {}),
+        **(_headroom_fields(monitor.source, report, monitor.layer_depth) if monitor.histogram else {}),
         **extra,
         **_activation_fields(report, monitor.layer_depth),
         **({"dump": str(report.dump)} if report.dump is not None else {}),
@@ -68,16 +69,41 @@ def _logged_max_norm(report: StepReport, max_norm_now):
     return float(m) if isinstance(m, torch.Tensor) else m
 
 
-def _headroom_fields(source, layer_depth: int | None) -> dict:
-    if isinstance(source, GradWatch):  # a watch given to the monitor in place of a model
-        names, grads = source.named_grads()
-    else:
-        names, _params, grads = named_grads(source)
-    detached = [g.detach() for g in grads]
-    h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
-                         names, detached)
-    frac, exps = headroom.layer_record(h.names, h.exponent_histogram, h.headroom, layer_depth)
-    return {"headroom": frac, "exponents": exps}
+class HeadroomTake:
+    """The exponent histograms and numeric headroom of the gradients at the moment it is made
+    (one fused pass, device tensors, packed per tensor), with their host copy started at once:
+    what a record's ``headroom`` and ``exponents`` are summed from, whenever it is written.
+    ``source`` None: nothing taken (a step whose record, if any, goes without them)."""
+
+    def __init__(self, source):
+        self.names, self.keys, self._copy = [], [], None
+        if source is None:
+            return
+        if isinstance(source, GradWatch):  # a watch given to the monitor in place of a model
+            names, grads = source.named_grads()
+        else:
+            names, _params, grads = named_grads(source)
+        detached = [g.detach() for g in grads]
+        h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
+                             names, detached)
+        self.names = list(h.names)
+        self.keys, packed = headroom.packed_rows(h.exponent_histogram, h.headroom)
+        self._copy = HostCopy([packed])
+
+    def fields(self, layer_depth: int | None) -> dict:
+        """The record's ``headroom`` and ``exponents`` per layer, from the host copy ({} when
+        nothing was taken)."""
+        if self._copy is None:
+            return {}
+        [packed] = self._copy.get()
+        frac, exps = headroom.layer_record_of_rows(self.names, self.keys, packed, layer_depth)
+        return {"headroom": frac, "exponents": exps}
+
+
+def _headroom_fields(source, report: StepReport, layer_depth: int | None) -> dict:
+    # taken at the step when the record is written later (blocking=False), else now
+    take = report.headroom if report.headroom is not None else HeadroomTake(source)
+    return take.fields(layer_depth)
 
 
 def _activation_fields(report: StepReport, layer_depth: int | None) -> dict:

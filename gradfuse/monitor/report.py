@@ -77,6 +77,10 @@ class StepReport:
             parameter, the update as applied; ``monitor.dynamics.update_ratios.layers(
             report.updates)`` reads them per layer), ``planned`` (the leading rows the step
             changes), ``applied``, and with ``max_update_rms`` ``coefs``; else None.
+        headroom (HeadroomTake | None): With ``histogram=True`` and ``blocking=False``: the
+            exponent histograms and headroom taken at the step (on logging steps; empty on the
+            others), which its record is written from a step later; else None (taken when the
+            record is written).
 
     Example:
         ```python
@@ -101,6 +105,7 @@ class StepReport:
     dump: Path | None = None  # the flight recorder's dump of this step
     updates: dict | None = None  # the optimizer's statistics of this step, when taken
     settled: bool = True  # blocking=False: False until the host reads the step's decision
+    headroom: object | None = None  # histogram=True, blocking=False: the HeadroomTake of the step
 
 
 def anomaly_message(s: GradStats, anomalies: list[str], explode_threshold: float | None, capture,

@@ -162,9 +162,25 @@ def layer_record(names: list[str], hist: torch.Tensor, columns: dict[str, torch.
     one device-to-host transfer."""
     if not names:
         return {}, {}
+    keys, packed = packed_rows(hist, columns)
+    return layer_record_of_rows(names, keys, packed, depth)
+
+
+def packed_rows(hist: torch.Tensor, columns: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
+    """(the column names, per tensor one float64 row on the histograms' device: its histogram,
+    its element count, and each column times that count): what ``layer_record_of_rows`` sums,
+    made without a transfer."""
     keys = list(columns)
     numel = hist.sum(1, keepdim=True).to(torch.float64)
-    packed = torch.cat([hist.to(torch.float64), numel, torch.stack([columns[k] for k in keys], 1) * numel], 1)
+    return keys, torch.cat([hist.to(torch.float64), numel, torch.stack([columns[k] for k in keys], 1) * numel], 1)
+
+
+def layer_record_of_rows(names: list[str], keys: list[str], packed: torch.Tensor,
+                         depth: int | None = None) -> tuple[dict, dict]:
+    """``layer_record`` from ``packed_rows``'s rows (a device tensor: one transfer; or a host copy
+    of them)."""
+    if not names:
+        return {}, {}
     rows = packed.cpu().tolist()
     sums = sum_by_key([layer_of(name, depth) for name in names], rows)
     frac, exps = {}, {}

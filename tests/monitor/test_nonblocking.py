@@ -51,7 +51,7 @@ def plant(model, step):
         torch._foreach_mul_(grads, 60.0)
 
 
-def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None):
+def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, **options):
     torch.manual_seed(0)
     model = TinyTransformer()
     if optimizer_kind == "gradfuse":
@@ -62,7 +62,7 @@ def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None):
     recorder = FlightRecorder(steps=16, window=32, warmup=20, dump_dir=tmp_path / f"dumps-{blocking}")
     monitor = GradMonitor(model, max_norm=1.0, every=10, on_nonfinite="skip", explode_threshold=1e3,
                           on_explode="skip", recorder=recorder, on_spike="dump", sinks=[JsonlSink(log)],
-                          optimizer=None if blocking else opt, blocking=blocking)
+                          optimizer=None if blocking else opt, blocking=blocking, **options)
     reports, losses = [], []
     data = batches()
     with warnings.catch_warnings(record=True) as caught:
@@ -144,6 +144,31 @@ def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional
             assert set(db.arrays) == set(dn.arrays) and len(db.arrays["steps"]) > 1
             for key in db.arrays:
                 assert torch.equal(db.arrays[key].nan_to_num(7.0), dn.arrays[key].nan_to_num(7.0)), key
+
+
+def test_histograms_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    rec_b = run(tmp_path, blocking=True, histogram=True)[4]
+    rec_n = run(tmp_path, blocking=False, guard=guard, histogram=True)[4]
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    skipped = {NAN_AT, EXPLODE_AT}
+    assert [r["step"] for r in rec_b] == [r["step"] for r in rec_n] and skipped < {r["step"] for r in rec_b}
+    for a, b in zip(rec_b, rec_n, strict=True):
+        for r in (a, b):
+            r["dump"] = r["dump"].rsplit("/", 1)[-1] if "dump" in r else None
+        taken = a["step"] % 10 == 0  # logging steps: taken at the step
+        if a["step"] == STEPS - 1:  # the record close() writes: blocking=False took nothing at that step
+            assert "exponents" not in b and a.pop("exponents") == {} and a.pop("headroom") == {}  # (grads zeroed)
+        else:
+            assert ("exponents" in a) == ("exponents" in b) == taken, a["step"]
+        if taken:
+            assert sum(sum(e["counts"]) for e in a["exponents"].values()) > 0
+        if a["step"] in skipped:
+            # the one difference: blocking=False clipped the skipped step's gradients on the device
+            assert a["exponents"] != b["exponents"]
+            for r in (a, b):
+                r.pop("exponents"), r.pop("headroom")
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN as NaN
 
 
 def test_the_report_is_settled_at_the_next_step(tmp_path):
@@ -230,7 +255,7 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
     assert not quiet.step().settled
 
 
-@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(histogram=True), dict(activations=True),
+@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(activations=True),
                                     dict(update_every=1, update_ratios=True)])
 def test_options_that_read_the_host_on_the_step_are_refused(option):
     model = nn.Linear(4, 3)
