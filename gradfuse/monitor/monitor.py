@@ -164,9 +164,9 @@ class GradMonitor:
             skip) when a policy can skip or raise; with any other optimizer the monitor warns
             once and blocks as with True. ``histogram``: taken at the logging step, written
             from its host copy (a skipped step's of its clipped gradients; none on the record
-            of a step that did not log). Not
-            with ``noise_scale``, ``update_ratios``, ``update_every``, ``max_update_rms``,
-            ``activations`` or ``trace_nonfinite``, which read the host on the step.
+            of a step that did not log). Not with ``noise_scale``, ``update_ratios``,
+            ``update_every``, ``max_update_rms``, ``activations`` or ``trace_nonfinite``, which
+            read the host on the step.
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
             parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
