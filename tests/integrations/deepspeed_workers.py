@@ -41,9 +41,9 @@ def loss_of(model, x, y):
     return ((model(x) - y) ** 2).mean() * 10
 
 
-def make_engine(stage, dtype, clip):
+def make_engine(stage, dtype, clip, model=None):
     import deepspeed
-    model = make_model()
+    model = make_model() if model is None else model
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUMULATE,
               "gradient_clipping": clip, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
@@ -320,19 +320,6 @@ class Spare(nn.Module):
         return self.head(torch.tanh(self.body(self.embed(tokens))) * self.mixed.scale)
 
 
-def spare_engine(stage, dtype):
-    import deepspeed
-    model = Spare()
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUMULATE,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
-    if dtype == torch.bfloat16:
-        config["bf16"] = {"enabled": True}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine, model
-
-
 def spare_loss(engine, step, micro, rank):
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     tokens, targets = torch.randint(0, 7, (BATCH, 5), generator=g), torch.randint(0, 11, (BATCH, 5), generator=g)
@@ -347,8 +334,8 @@ def check_skip_leaves_nothing(stage, dtype, rank, world):
     """A NaN in one gradient on one rank, one step: that step skipped on both ranks, every later
     step trains (the parameters that get no gradient included); the weights are those of a run in
     which the step was never taken."""
-    G, model = spare_engine(stage, dtype)
-    R, _ = spare_engine(stage, dtype)
+    model = Spare()
+    G, R = make_engine(stage, dtype, 0.0, model), make_engine(stage, dtype, 0.0, Spare())
     planted = {"on": False}
     model.body.weight.register_hook(lambda g: g * math.nan if planted["on"] else g)
     handles = [gradfuse.attach(e, max_norm=MAX_NORM, on_nonfinite="skip", every=0) for e in (G, R)]
