@@ -18,6 +18,7 @@ With ``host_copies=True`` a read of host memory that a step copied without block
 alone) is counted
 in ``copy_reads`` instead: on a GPU it waits for nothing. Everything else stays a read of the
 step's tensors."""
+import contextlib
 import weakref
 
 import torch
@@ -100,3 +101,16 @@ class SyncGuard(TorchDispatchMode):
 
     def saw_gradfuse_op(self) -> bool:
         return any(name.startswith("gradfuse.") for name in self.seen)
+
+
+@contextlib.contextmanager
+def as_on_an_accelerator():
+    """Every tensor answers ``is_cpu`` False: the one question the activation hooks ask to choose
+    their CPU shortcuts (small reads of CPU values, no device sync there) over the path an
+    accelerator takes, which must read nothing."""
+    assert "is_cpu" not in torch.Tensor.__dict__
+    torch.Tensor.is_cpu = property(lambda self: False)
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cpu

@@ -57,7 +57,8 @@ Errors
     cannot take (a tensor subclass, an odd device) is warned about once, naming it, and left out.
     Hooks are removed when the ``with`` block exits, also when it raises.
 
-Layer: activations (a capability). Imports ``gradfuse.ops`` and the activations' own modules.
+Layer: activations (a capability). Imports ``gradfuse.ops``, ``gradfuse.core.host_copy`` and the
+activations' own modules.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ from torch import nn
 from gradfuse import ops
 from gradfuse.activations.dead_units import unit_activity_rows, unit_dim
 from gradfuse.activations.stats import ActivationStats, HookRows, activation_stats
-from gradfuse.activations.trace import describe_origin, nonfinite_origin
+from gradfuse.activations.trace import describe_origin, nonfinite_counts, nonfinite_origin
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.ops.layout import NUM_COUNT_STATS
 
 ROOT_NAME = "(root)"
@@ -194,6 +196,7 @@ class ActivationCapture:
         self._calls: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self._cache: dict = {}
+        self._trace_copy: HostCopy | None = None  # start_host_copy: the non-finite counts
         self._ops: dict = {}
         self._memo: list = [None, None]  # forward, backward: (weakref, version, unit dim, rows)
         self._zero_counts: dict = {}
@@ -405,6 +408,16 @@ class ActivationCapture:
             self._cache[key] = self._stats(self._bwd)
         return self._cache[key]
 
+    def start_host_copy(self) -> None:
+        """Starts copying what the results read (the statistics, the non-finite counts) to host
+        memory without waiting for the device; ``forward``, ``backward`` and the non-finite
+        origin then read that copy. A monitor that never blocks calls it at the step and reads
+        the capture one step later. Call it after the backward (the rows are complete)."""
+        if self.full:
+            self.forward.start_host_copy()
+            self.backward.start_host_copy()
+        self._trace_copy = HostCopy([nonfinite_counts(self._fwd, self._bwd)])
+
     def nonfinite_origin(self) -> dict | None:
         """Where the first non-finite value appeared (None: nowhere). Reads the per-module
         counts in one transfer. A dict: ``kind`` ("forward" or "backward"), ``module``, ``row``
@@ -419,7 +432,8 @@ class ActivationCapture:
         """
         if "origin" in self._cache:
             return self._cache["origin"]
-        origin = nonfinite_origin(self._fwd, self._bwd)
+        counts = None if self._trace_copy is None else self._trace_copy.get()[0]
+        origin = nonfinite_origin(self._fwd, self._bwd, counts)
         self._cache["origin"] = origin
         return origin
 

@@ -102,12 +102,13 @@ def dead_counts(activity: list) -> torch.Tensor:
         int64 ``[len(activity)]`` on the device of the first vector (the CPU without one).
     """
     if any(isinstance(a, int) for a in activity):
-        known = [a if isinstance(a, int) else None for a in activity]
         vectors = [a for a in activity if not isinstance(a, int)]
-        counted = iter(dead_counts(vectors).tolist()) if vectors else iter(())
         dev = vectors[0].device if vectors else "cpu"
-        return torch.tensor([next(counted) if k is None else k for k in known], dtype=torch.int64,
-                            device=dev)
+        out = torch.tensor([a if isinstance(a, int) else 0 for a in activity], dtype=torch.int64, device=dev)
+        if vectors:  # the counted rows put in place on the device: no host read
+            at = torch.tensor([i for i, a in enumerate(activity) if not isinstance(a, int)], device=dev)
+            out.index_copy_(0, at, dead_counts(vectors))
+        return out
     lengths = [len(a) for a in activity]
     if not activity or not sum(lengths):
         return torch.zeros(len(activity), dtype=torch.int64,

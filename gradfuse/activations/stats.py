@@ -12,6 +12,7 @@ import torch
 
 from gradfuse.activations.dead_units import dead_counts
 from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.core.layers import exponents_entry, layer_of, sum_by_key
 from gradfuse.ops.layout import M2, NUM_BINS, NUM_COUNT_STATS, NUM_FLOAT_STATS, SUM, SUMSQ
 
@@ -73,6 +74,7 @@ class ActivationStats(GradStats):
         self.dead_units = dead_units
         self.units = units
         self.scope = scope
+        self._extra_copy: HostCopy | None = None  # start_host_copy: the extras and histograms
 
     @property
     def std(self) -> torch.Tensor:
@@ -91,17 +93,26 @@ class ActivationStats(GradStats):
         """Root mean square per row: ``l2 / sqrt(numel)``."""
         return self.l2 / self.numel.clamp(min=1).to(self.floats.dtype).sqrt()
 
+    def start_host_copy(self) -> None:
+        """As ``GradStats.start_host_copy``, the per-row extras (``std``, dead units) and the
+        exponent histograms too: ``to_dict``, ``layers`` and ``layer_exponents`` then read the copy."""
+        if self._host_copy is None:
+            super().start_host_copy()
+            self._extra_copy = HostCopy([self._extra_packed(), self.exponent_histogram])
+
     def _extra_host(self) -> list[list[float]]:
         return self._memo("extra_host", self._read_extra)
 
-    def _read_extra(self) -> list[list[float]]:
+    def _extra_packed(self) -> torch.Tensor | None:
         if not len(self.names):
-            return []
+            return None
         dt = self.floats.dtype
-        packed = torch.stack([self.std, self.dead_units.to(self.std.device, dt),
-                              self.units.to(self.std.device, dt),
-                              self.floats[:, SUM], self.floats[:, SUMSQ], self.floats[:, M2]], 1)
-        return packed.cpu().tolist()
+        return torch.stack([self.std, self.dead_units.to(self.std.device, dt), self.units.to(self.std.device, dt),
+                            self.floats[:, SUM], self.floats[:, SUMSQ], self.floats[:, M2]], 1)
+
+    def _read_extra(self) -> list[list[float]]:
+        packed = self._extra_packed() if self._extra_copy is None else self._extra_copy.get()[0]
+        return [] if packed is None else packed.cpu().tolist()
 
     def to_dict(self) -> dict:
         """As ``GradStats.to_dict``, each row also with ``module``, ``std``, ``rms``,
@@ -152,8 +163,9 @@ class ActivationStats(GradStats):
         ``exponents``; read in one transfer. None without ``histogram=True``."""
         if self.exponent_histogram is None:
             return None
+        hist = self.exponent_histogram if self._extra_copy is None else self._extra_copy.get()[1]
         keys = [output_layer(m, depth) for m in self.modules]
-        sums = sum_by_key(keys, self.exponent_histogram.cpu().tolist())
+        sums = sum_by_key(keys, hist.cpu().tolist())
         return {layer: exponents_entry(counts) for layer, counts in sums.items()}
 
     def table(self, top: int | None = None, sort_by: str | None = None) -> str:

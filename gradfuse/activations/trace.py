@@ -16,13 +16,22 @@ from gradfuse.activations.stats import HookRows
 from gradfuse.ops.layout import INF, NAN
 
 
-def _nonfinite_rows(fwd: list[HookRows], bwd: list[HookRows]) -> tuple[list, list]:
+def nonfinite_counts(fwd: list[HookRows], bwd: list[HookRows]) -> torch.Tensor | None:
+    """The NaN and Inf counts of every row of ``fwd`` then ``bwd`` (int64 ``[rows, 2]`` on the
+    first one's device; None without rows): what ``nonfinite_origin`` reads."""
+    events = fwd + bwd
+    if not events:
+        return None
+    dev = events[0].counts.device
+    return torch.cat([e.counts[:, [NAN, INF]].to(dev) for e in events])
+
+
+def _nonfinite_rows(fwd: list[HookRows], bwd: list[HookRows], counts) -> tuple[list, list]:
     """Per row of forward and backward: (event index, row index, nan, inf); one transfer."""
     events = fwd + bwd
     if not events:
         return [], []
-    dev = events[0].counts.device
-    counts = torch.cat([e.counts[:, [NAN, INF]].to(dev) for e in events]).cpu().tolist()
+    counts = (nonfinite_counts(fwd, bwd) if counts is None else counts).cpu().tolist()
     rows, k = [], 0
     for i, e in enumerate(events):
         for j in range(len(e.names)):
@@ -32,19 +41,20 @@ def _nonfinite_rows(fwd: list[HookRows], bwd: list[HookRows]) -> tuple[list, lis
     return rows[:n_fwd], [(i - len(fwd), j, a, b) for i, j, a, b in rows[n_fwd:]]
 
 
-def nonfinite_origin(fwd: list[HookRows], bwd: list[HookRows]) -> dict | None:
+def nonfinite_origin(fwd: list[HookRows], bwd: list[HookRows], counts: torch.Tensor | None = None) -> dict | None:
     """Where the first non-finite value appeared, from the hook calls of the forward (``fwd``)
     and of the backward (``bwd``); reads their counts in one transfer.
 
     Args:
         fwd: The forward hook calls, in execution order.
         bwd: The backward hook calls, in the order backward computed them.
+        counts: Their ``nonfinite_counts`` when taken already (a host copy); None: read now.
 
     Returns:
         None, or ``{"kind", "module", "row", "nan", "inf"}`` (and for backward
             ``"gradient_of"``, ``"entered"``), as ``ActivationCapture.nonfinite_origin``.
     """
-    fwd_rows, bwd_rows = _nonfinite_rows(fwd, bwd)
+    fwd_rows, bwd_rows = _nonfinite_rows(fwd, bwd, counts)
     for i, j, nan, inf in fwd_rows:
         if nan or inf:
             e = fwd[i]

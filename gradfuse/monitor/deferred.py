@@ -71,6 +71,8 @@ class Pending:
         as the optimizer gets the gradients: when its record is written they are gone)."""
         if copy_stats:
             report.stats.start_host_copy()
+        if capture is not None:  # the activation rows and the NaN trace: read when the step settles
+            capture.start_host_copy()
         if headroom_of is not None:
             report.headroom = HeadroomTake(headroom_of if plan.log_now else None)
         logged = report.stats.max_norm if report.stats.max_norm is not None else max_norm_now

@@ -164,9 +164,10 @@ class GradMonitor:
             skip) when a policy can skip or raise; with any other optimizer the monitor warns
             once and blocks as with True. ``histogram``: taken at the logging step, written
             from its host copy (a skipped step's of its clipped gradients; none on the record
-            of a step that did not log). Not with ``noise_scale``, ``update_ratios``,
-            ``update_every``, ``max_update_rms``, ``activations`` or ``trace_nonfinite``, which
-            read the host on the step.
+            of a step that did not log); ``activations`` / ``trace_nonfinite``: the rows and
+            NaN counts copied at the step, the record and the first non-finite module from the
+            copy. Not with ``noise_scale``, ``update_ratios``, ``update_every`` or
+            ``max_update_rms``, which read the host on the step.
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
             parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
@@ -267,8 +268,7 @@ class GradMonitor:
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
                            optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
                            reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios,
-                                              update_every=update_every, max_update_rms=max_update_rms,
-                                              activations=activations, trace_nonfinite=trace_nonfinite),
+                                              update_every=update_every, max_update_rms=max_update_rms),
                            fused_step=fused_step, max_norm=max_norm, per=per)
         clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]

@@ -9,11 +9,9 @@ capture asks to choose between the CPU shortcuts and the device path (``t.is_cpu
 ``counts.is_cpu`` in ``ActivationCapture._rows`` and ``dead_units.unit_activity_rows``), so the hooks
 then take the path an accelerator takes, on CPU tensors, and must read nothing; also with
 ``histogram=True``, whose exponent histograms are taken in the same hooks."""
-import contextlib
-
 import pytest
 import torch
-from sync_guard import SyncGuard
+from sync_guard import SyncGuard, as_on_an_accelerator
 from torch import nn
 
 import gradfuse
@@ -33,16 +31,6 @@ def capture(model, x, **kwargs):
     with gradfuse.capture_activations(model, **kwargs) as cap:
         model(x).square().sum().backward()
     return cap
-
-
-@contextlib.contextmanager
-def as_on_an_accelerator():
-    assert "is_cpu" not in torch.Tensor.__dict__
-    torch.Tensor.is_cpu = property(lambda self: False)
-    try:
-        yield
-    finally:
-        del torch.Tensor.is_cpu
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(trace_nonfinite=True), dict(histogram=True)],

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from sync_guard import SyncGuard
+from sync_guard import SyncGuard, as_on_an_accelerator
 from torch import nn
 
 import gradfuse
@@ -51,7 +51,8 @@ def plant(model, step):
         torch._foreach_mul_(grads, 60.0)
 
 
-def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, **options):
+def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, forward_nan=False, **options):
+    """``forward_nan``: the step's NaN enters in the forward (the head's input), not in a gradient."""
     torch.manual_seed(0)
     model = TinyTransformer()
     if optimizer_kind == "gradfuse":
@@ -69,7 +70,11 @@ def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, **optio
         warnings.simplefilter("always")
         with guard if guard is not None else _nothing():
             for step, x in enumerate(data):
+                nan_hook = (model.head.register_forward_pre_hook(lambda _m, args: (args[0] * math.nan,))
+                            if forward_nan and step == NAN_AT else None)
                 loss = nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+                if nan_hook is not None:
+                    nan_hook.remove()
                 loss.backward()
                 plant(model, step)
                 report = monitor.step(loss=loss.detach())
@@ -127,10 +132,7 @@ def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional
 
     # the same records, in step order, and the same warnings and counters
     assert len(rec_b) > STEPS // 10 and [r["step"] for r in rec_n] == sorted(r["step"] for r in rec_n)
-    for a, b in zip(rec_b, rec_n, strict=True):
-        for r in (a, b):
-            r["dump"] = r["dump"].rsplit("/", 1)[-1] if "dump" in r else None
-        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN as NaN
+    assert_same_records(rec_b, rec_n)
     assert msg_b == msg_n and len(msg_b) >= 2
     assert mon_b.counters() == mon_n.counters() and mon_n.counters()["skipped_steps"] == 2
 
@@ -146,29 +148,52 @@ def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional
                 assert torch.equal(db.arrays[key].nan_to_num(7.0), dn.arrays[key].nan_to_num(7.0)), key
 
 
-def test_histograms_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
-    guard = SyncGuard(allowed=None, host_copies=True)
-    rec_b = run(tmp_path, blocking=True, histogram=True)[4]
-    rec_n = run(tmp_path, blocking=False, guard=guard, histogram=True)[4]
-    assert guard.reads == [] and guard.saw_gradfuse_op()
+def assert_same_records(rec_b, rec_n, histogram=False):
+    """The blocking and the non-blocking run's records are the same, in step order (dump paths by
+    their file name). With ``histogram``: a logging step's gradient exponents are taken at the
+    step, so the record close() writes has none under blocking=False, and a skipped step's are
+    of its gradients clipped on the device."""
     skipped = {NAN_AT, EXPLODE_AT}
     assert [r["step"] for r in rec_b] == [r["step"] for r in rec_n] and skipped < {r["step"] for r in rec_b}
     for a, b in zip(rec_b, rec_n, strict=True):
         for r in (a, b):
             r["dump"] = r["dump"].rsplit("/", 1)[-1] if "dump" in r else None
         taken = a["step"] % 10 == 0  # logging steps: taken at the step
-        if a["step"] == STEPS - 1:  # the record close() writes: blocking=False took nothing at that step
+        if histogram and a["step"] == STEPS - 1:
             assert "exponents" not in b and a.pop("exponents") == {} and a.pop("headroom") == {}  # (grads zeroed)
-        else:
+        elif histogram:
             assert ("exponents" in a) == ("exponents" in b) == taken, a["step"]
-        if taken:
+        if histogram and taken:
             assert sum(sum(e["counts"]) for e in a["exponents"].values()) > 0
-        if a["step"] in skipped:
-            # the one difference: blocking=False clipped the skipped step's gradients on the device
+        if histogram and a["step"] in skipped:
             assert a["exponents"] != b["exponents"]
             for r in (a, b):
                 r.pop("exponents"), r.pop("headroom")
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN as NaN
+
+
+def test_histograms_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    rec_b = run(tmp_path, blocking=True, histogram=True)[4]
+    rec_n = run(tmp_path, blocking=False, guard=guard, histogram=True)[4]
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    assert_same_records(rec_b, rec_n, histogram=True)
+
+
+def test_activations_and_the_nan_trace_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    options = dict(activations=True, trace_nonfinite=True, histogram=True, forward_nan=True)
+    _, _, mon_b, rep_b, rec_b, msg_b, _ = run(tmp_path, blocking=True, **options)
+    with as_on_an_accelerator():  # the hooks' CPU shortcuts read CPU values, which waits for nothing
+        _, _, mon_n, rep_n, rec_n, msg_n, _ = run(tmp_path, blocking=False, guard=guard, **options)
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    # the NaN traced to the module whose output held it first, named a step later
+    assert rep_b[NAN_AT].first_nonfinite == rep_n[NAN_AT].first_nonfinite == ("forward", "head")
+    assert msg_b == msg_n and "head" in msg_n[0]
+    logged = [r for r in rec_b if "act" in r]
+    assert len(logged) >= STEPS // 10 and all(r["act"] and r["act_grad"] and r["act_exponents"] for r in logged)
+    assert_same_records(rec_b, rec_n, histogram=True)
+    assert mon_b.counters() == mon_n.counters()
 
 
 def test_the_report_is_settled_at_the_next_step(tmp_path):
@@ -255,8 +280,7 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
     assert not quiet.step().settled
 
 
-@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(activations=True),
-                                    dict(update_every=1, update_ratios=True)])
+@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(update_every=1, update_ratios=True)])
 def test_options_that_read_the_host_on_the_step_are_refused(option):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
