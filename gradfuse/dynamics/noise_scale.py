@@ -237,7 +237,7 @@ class NoiseScale:
         self._ddp_new_round = True
 
     def step(self, source=None, *, g2: torch.Tensor | None = None,
-             loss_scale: torch.Tensor | None = None) -> bool:
+             loss_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> bool:
         """Ends an optimizer step: ``g2`` is the squared norm of the gradient about to be applied
         (accumulated, all-reduced; else taken from ``source`` by a fused pass). ``loss_scale``: a
         GradScaler's scale when the micro-batch / bucket norms were taken on scaled gradients while
@@ -252,9 +252,13 @@ class NoiseScale:
             g2: The squared norm of the gradient about to be applied, a 0-d tensor.
             loss_scale: The GradScaler's scale, when the micro-batch / bucket norms were taken
                 on scaled gradients while ``g2`` is unscaled.
+            skip: A 0-d bool tensor: True when the optimizer skips this step on the device (its
+                pair is then not averaged in, as by ``skip_step``, with no host read; ``updates``
+                counts it all the same).
 
         Returns:
-            Whether this step offered a pair of norms (and was averaged in unless non-finite).
+            Whether this step offered a pair of norms (and was averaged in unless non-finite
+                or skipped).
 
         Example:
             ```python
@@ -292,11 +296,12 @@ class NoiseScale:
                 big = g2 / float(k * k)
         if inv_scale2 is not None:
             small = small * inv_scale2
-        self.update(small, big, b_small, b_big)
+        self.update(small, big, b_small, b_big, skip=skip)
         return True
 
     # --- the estimator -------------------------------------------------------------------------
-    def update(self, g2_small: torch.Tensor, g2_big: torch.Tensor, b_small: float, b_big: float) -> None:
+    def update(self, g2_small: torch.Tensor, g2_big: torch.Tensor, b_small: float, b_big: float, *,
+               skip: torch.Tensor | None = None) -> None:
         """Averages in one pair of squared norms of mean gradients at batch sizes ``b_small`` <
         ``b_big`` (0-d tensors, any device; no host sync). A non-finite pair is not averaged in.
 
@@ -305,6 +310,7 @@ class NoiseScale:
             g2_big: The squared norm of the mean gradient at batch size ``b_big``.
             b_small: The smaller batch size.
             b_big: The larger batch size.
+            skip: A 0-d bool tensor: True leaves the averages as they are (decided on the device).
 
         Raises:
             ValueError: unless ``0 < b_small < b_big``.
@@ -327,6 +333,8 @@ class NoiseScale:
             self._weight = torch.zeros((), dtype=torch.float64, device=pair.device) if self._weight is None \
                 else self._weight.to(pair.device)
         ok = torch.isfinite(pair).all()
+        if skip is not None:
+            ok = ok & ~skip.to(ok.device)
         b = self.beta
         self._ema = torch.where(ok, b * self._ema + (1.0 - b) * pair, self._ema)
         self._weight = torch.where(ok, b * self._weight + (1.0 - b), self._weight)
@@ -352,11 +360,14 @@ class NoiseScale:
             ``{"noise_scale": ..., "G2": ..., "trSigma": ...}`` as floats, or None before any
                 step offered a pair.
         """
+        packed = self.packed_values()
+        return None if packed is None else values_of_packed(packed)
+
+    def packed_values(self) -> torch.Tensor | None:
+        """``values`` as one float64 device tensor ``[noise_scale, G2, trSigma]`` (None before any
+        step offered a pair): what a host copy takes, read back by ``values_of_packed``."""
         v = self.values()
-        if v is None:
-            return None
-        out = torch.stack([v["noise_scale"], v["G2"], v["trSigma"]]).tolist()
-        return dict(zip(("noise_scale", "G2", "trSigma"), out))
+        return None if v is None else torch.stack([v["noise_scale"], v["G2"], v["trSigma"]])
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -394,6 +405,11 @@ class NoiseScale:
     def __repr__(self) -> str:
         return (f"NoiseScale(batch_size={self.batch_size:g}, beta={self.beta}, "
                 f"accumulation={self.accumulation!r}, updates={self.updates})")
+
+
+def values_of_packed(packed: torch.Tensor) -> dict[str, float]:
+    """``NoiseScale.packed_values`` (or a host copy of it) as ``host_values`` gives it."""
+    return dict(zip(("noise_scale", "G2", "trSigma"), packed.tolist()))
 
 
 class BackwardEnds:

@@ -81,10 +81,12 @@ class Pending:
         return cls(plan, report, capture, snapshot, HostCopy([flags, clipped, logged if isinstance(
             logged, torch.Tensor) else None]), max_norm=None if isinstance(logged, torch.Tensor) else logged)
 
-    def read(self) -> None:
-        """Reads the copies (on CUDA, waits for their event: by the next step it has passed)."""
+    def read(self):
+        """Reads the copies (on CUDA, waits for their event: by the next step it has passed);
+        returns the step's report."""
         flags, clipped, threshold = self.copy.get()
         self.flags = 0 if flags is None else int(flags.item())
         self.clipped = 0 if clipped is None else int(clipped.item())
         if threshold is not None:
             self.max_norm = float(threshold.item())
+        return self.report

@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from gradfuse.dynamics.noise_scale import NoiseScale
+from gradfuse.core.host_copy import HostCopy
+from gradfuse.dynamics.noise_scale import NoiseScale, values_of_packed
 from gradfuse.dynamics.update_clip import UpdateClip, update_coefs
 from gradfuse.dynamics.update_ratio import UpdateRatios
 from gradfuse.ops.layout import SUMSQ, UPDATE_SUMSQ
@@ -81,6 +82,7 @@ class Dynamics:
         # update) sets this before the step it will log.
         self.capture_next = False
         self._captured: tuple[int, dict] | None = None
+        self._deferred: tuple | None = None  # blocking=False: (step, offered a pair, HostCopy of the estimates)
 
     def micro_step(self, watch) -> None:
         """After a micro-batch's backward; ``watch``: the monitor's handle on the gradients."""
@@ -125,6 +127,29 @@ class Dynamics:
         report.updates = got
         return False
 
+    def on_deferred_step(self, report, skip, loss_scale=None, copy: bool = False) -> None:
+        """``on_step`` of a ``blocking=False`` step, which the host has not decided: the noise
+        scale averages in the step's pair unless ``skip`` (its 0-d device flag, or None: never
+        skipped) says the optimizer skips it. ``copy``: the step's record may be written when it
+        settles: its estimates' host copy starts now. ``settle`` finishes the step."""
+        ns, s = self.noise_scale, report.stats
+        if ns is None:
+            return
+        offered = False
+        if s is None or not len(s):
+            ns.skip_step()
+        else:
+            offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=skip)
+        packed = ns.packed_values() if copy else None
+        self._deferred = (report.step, offered, None if packed is None else HostCopy([packed]))
+
+    def settle(self, report) -> None:
+        """A ``blocking=False`` step, decided: a skipped step's pair (or an AMP overflow's) was
+        not averaged in, so it does not count in ``NoiseScale.updates`` either (as with ``on_step``)."""
+        step, offered, _copy = self._deferred or (None, False, None)
+        if step == report.step and offered and (report.skip or "amp_overflow" in report.anomalies):
+            self.noise_scale.updates -= 1
+
     def take_step_rows(self, report, step_rows: list) -> None:
         """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took
         (``optimizer.last_rows``), into ``report.updates``: what ``on_step`` would have taken."""
@@ -157,8 +182,10 @@ class Dynamics:
         ``weight_nonfinite``) and with ``max_update_rms`` ``update_clipped`` (the parameters whose
         update is rescaled at this step), or ``update_ratio_unavailable`` (why not)."""
         out = {}
-        if self.noise_scale is not None:
-            out["noise_scale"] = self.noise_scale.host_values()
+        if self.noise_scale is not None:  # a blocking=False step's: from the copy its step took
+            step, _offered, copy = self._deferred or (None, False, None)
+            out["noise_scale"] = (self.noise_scale.host_values() if step != report.step
+                                  else None if copy is None else values_of_packed(copy.get()[0]))
         ur = self.update_ratios
         if ur is not None:
             if ur.unavailable:

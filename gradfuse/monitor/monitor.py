@@ -267,8 +267,8 @@ class GradMonitor:
         check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
                            optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
-                           reads_on_step=dict(noise_scale=noise_scale, update_ratios=update_ratios,
-                                              update_every=update_every, max_update_rms=max_update_rms),
+                           reads_on_step=dict(update_ratios=update_ratios, update_every=update_every,
+                                              max_update_rms=max_update_rms),
                            fused_step=fused_step, max_norm=max_norm, per=per)
         clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
@@ -287,9 +287,7 @@ class GradMonitor:
         self._sink_set = SinkSet(self.sinks)
         self.sink_ranks = sink_ranks
         self.layer_depth = layer_depth
-        self.scaler = scaler
-        self.optimizer = optimizer
-        self.enabled = enabled
+        self.scaler, self.optimizer, self.enabled = scaler, optimizer, enabled
         self.histogram = histogram  # exponent histograms and headroom on logging steps
         self.step_count = start_step
         self.skipped_steps = self.anomaly_steps = self.nonfinite_steps = 0
@@ -562,6 +560,9 @@ class GradMonitor:
         flags = self._flags(s) if self._needs_flag() and len(s) else None
         skip = device_skip_flag(flags, self, bad_max_norm=plan.bad_max_norm is not None)
         clipped = self._clip(plan, report, skip)
+        if self.dynamics is not None:
+            self.dynamics.on_deferred_step(report, skip, self.scaler._scale if self._amp_active() else None,
+                                           copy=bool(self.sinks))
         snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
                                       copy_stats=bool(self.sinks) and (plan.log_now or flags is not None),
@@ -574,10 +575,11 @@ class GradMonitor:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.read()
-        report = pending.report
+        report = pending.read()
         decision = self._apply_policies(pending.plan, report, pending.capture, pending)
         self._clipped_restored += pending.clipped and not report.skip  # a skipped step applied no clip
+        if self.dynamics is not None:
+            self.dynamics.settle(report)
         flight.dump_if_acted(self.recorder, report, decision, pending.snapshot)
         report.settled = True
         if pending.plan.log_now or (report.anomalies and decision.policies):

@@ -196,6 +196,44 @@ def test_activations_and_the_nan_trace_never_wait_and_give_the_blocking_records(
     assert mon_b.counters() == mon_n.counters()
 
 
+def test_the_noise_scale_never_waits_and_gives_the_blocking_estimates(tmp_path, functional_watch):
+    def train(blocking, guard=None):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-3)
+        log = tmp_path / f"noise-{blocking}.jsonl"
+        monitor = GradMonitor(model, max_norm=1.0, every=1, explode_threshold=1e3, on_explode="skip",
+                              noise_scale=gradfuse.NoiseScale(batch_size=2, accumulation_steps=2),
+                              sinks=[JsonlSink(log)], optimizer=None if blocking else opt, blocking=blocking)
+        with warnings.catch_warnings(), guard if guard is not None else _nothing():
+            warnings.simplefilter("ignore")
+            for step, x in enumerate(batches()[:30]):
+                for half in (x[:2], x[2:]):  # two micro-batches: the pair of norms
+                    logits = model(half[:, :-1]).flatten(0, 1)
+                    (nn.functional.cross_entropy(logits, half[:, 1:].flatten()) / 2).backward()
+                    monitor.micro_step()
+                if step == 12:  # an explosion: skipped, so its (finite) pair is not averaged in
+                    torch._foreach_mul_([p.grad for p in model.parameters()], 1e5)
+                report = monitor.step()
+                if not (blocking and report.skip):
+                    opt.step()
+                opt.zero_grad()
+        monitor.close()
+        return monitor, [json.loads(line) for line in log.read_text().splitlines()]
+
+    mon_b, rec_b = train(True)
+    guard = SyncGuard(allowed=None, host_copies=True)
+    mon_n, rec_n = train(False, guard)
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    assert mon_b.skipped_steps == mon_n.skipped_steps == 1
+    assert mon_b.noise_scale.updates == mon_n.noise_scale.updates == 29
+    estimates = [r["noise_scale"] for r in rec_b]
+    assert estimates == [r["noise_scale"] for r in rec_n] and len(estimates) == 30
+    assert estimates[12] == estimates[11] != estimates[13] and all(math.isfinite(e["G2"]) for e in estimates)
+    for a, b in zip(rec_b, rec_n, strict=True):
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def test_the_report_is_settled_at_the_next_step(tmp_path):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
@@ -280,7 +318,8 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
     assert not quiet.step().settled
 
 
-@pytest.mark.parametrize("option", [dict(noise_scale=True), dict(update_every=1, update_ratios=True)])
+@pytest.mark.parametrize("option", [dict(update_ratios=True), dict(update_every=1, update_ratios=True),
+                                    dict(max_update_rms=0.1)])
 def test_options_that_read_the_host_on_the_step_are_refused(option):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
