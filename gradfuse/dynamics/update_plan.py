@@ -292,7 +292,8 @@ LAYER_FIELDS = ("update_ratio", "weight_norm", "update_norm", "update_rms", "mom
                 "eps_dominated", "update_nonfinite", "moment_nonfinite", "weight_nonfinite")
 
 
-def layer_values(rows: UpdateRows, ids: torch.Tensor, num_layers: int, applied: bool = True) -> torch.Tensor:
+def layer_values(rows: UpdateRows, ids: torch.Tensor, num_layers: int,
+                 applied: bool | torch.Tensor = True) -> torch.Tensor:
     """float64 ``[num_layers, len(LAYER_FIELDS)]`` on the rows' device: per layer (``ids``: the
     layer index of each row, ``num_layers`` for a row outside the layers), no host read.
 
@@ -306,15 +307,20 @@ def layer_values(rows: UpdateRows, ids: torch.Tensor, num_layers: int, applied: 
     - ``update_nonfinite``, ``moment_nonfinite``, ``weight_nonfinite``: NaN / Inf element counts.
 
     NaN where a value does not apply (no parameter with that state in the layer). ``applied``
-    False (the step is skipped): the update is 0 and the moments NaN.
+    False (the step is skipped): the update is 0 and the moments NaN; a 0-d bool tensor: the
+    same, decided on the device (a step whose skip the host has not read).
     """
     dev = rows.floats.device
     f, c = rows.floats, rows.counts.to(torch.float64)
     numel = c[:, UPDATE_NUMEL]
     m1_mask = torch.tensor(rows.moment1, dtype=torch.float64).to(dev)
     adam_mask = torch.tensor(rows.adam, dtype=torch.float64).to(dev)
-    u2 = f[:, UPDATE_SUMSQ] if applied else torch.zeros_like(numel)
-    bad_u = c[:, UPDATE_NONFINITE] if applied else torch.zeros_like(numel)
+    on = applied.to(dev) if isinstance(applied, torch.Tensor) else None
+    u2, bad_u = f[:, UPDATE_SUMSQ], c[:, UPDATE_NONFINITE]
+    if on is not None:
+        u2, bad_u = torch.where(on, u2, 0.0), torch.where(on, bad_u, 0.0)
+    elif not applied:
+        u2, bad_u = torch.zeros_like(numel), torch.zeros_like(numel)
     cols = torch.stack([u2, f[:, WEIGHT_SUMSQ], f[:, MOMENT1_SUMSQ] * m1_mask, f[:, MOMENT2_SUMSQ] * adam_mask,
                         numel, numel * m1_mask, numel * adam_mask, c[:, EPS_DOMINATED] * adam_mask,
                         bad_u, c[:, MOMENT_NONFINITE], c[:, WEIGHT_NONFINITE]], 1)
@@ -326,6 +332,8 @@ def layer_values(rows: UpdateRows, ids: torch.Tensor, num_layers: int, applied: 
     ratio = torch.where(w > 0, u / w, torch.where(u == 0, 0.0, math.inf))
     moments = (torch.where(n1 > 0, (lm1 / n1).sqrt(), nan), torch.where(na > 0, (lm2 / na).sqrt(), nan),
                torch.where(na > 0, eps / na, nan))
-    if not applied:
+    if on is not None:
+        moments = tuple(torch.where(on, m, nan) for m in moments)
+    elif not applied:
         moments = (nan, nan, nan)
     return torch.stack([ratio, w, u, torch.where(n > 0, (lu2 / n).sqrt(), nan), *moments, bad_u, bad_m, bad_w], 1)

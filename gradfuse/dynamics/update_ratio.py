@@ -19,6 +19,7 @@ import math
 import torch
 
 from gradfuse.core.engine import fused_stats
+from gradfuse.core.host_copy import HostCopy
 from gradfuse.core.layers import layer_of
 from gradfuse.dynamics.update_plan import (
     LAYER_FIELDS,
@@ -145,15 +146,27 @@ class UpdateRatios:
         ids = torch.tensor([index[layer_of(n, self.layer_depth)] for n in captured["names"]], dtype=torch.int64)
         return layers, layer_values(rows, ids.to(rows.floats.device), len(layers), captured["applied"])
 
+    def start_host_copy(self, captured: dict) -> None:
+        """Takes the per-layer table of ``captured`` now and starts its host copy: ``layers``
+        then reads the copy (a step whose record is written when the host has read its skip;
+        ``captured["applied"]`` may be a device flag here, and is set to the host's bool then)."""
+        layers, table = self.layer_table(captured)
+        captured["host_table"] = (layers, HostCopy([table]))
+
     def layers(self, captured: dict) -> dict[str, dict[str, float]]:
         """Field -> {layer: value} for every field of ``LAYER_FIELDS`` (one transfer):
         ``update_ratio`` (|u| / |w|; inf for zero weights, 0 when the update is 0 too),
         ``weight_norm``, ``update_norm``, ``update_rms``; ``moment1_rms`` (layers with a first
         moment: Adam, SGD with momentum), ``moment2_rms`` and ``eps_dominated`` (a fraction; layers
         with Adam parameters), on steps that apply the update; ``update_nonfinite``,
-        ``moment_nonfinite``, ``weight_nonfinite`` (element counts, ints)."""
-        layers, table = self.layer_table(captured)
-        host = table.cpu().tolist()
+        ``moment_nonfinite`` (on steps that apply the update), ``weight_nonfinite`` (element
+        counts, ints)."""
+        if "host_table" in captured:
+            layers, copy = captured["host_table"]
+            host = copy.get()[0].tolist()
+        else:
+            layers, table = self.layer_table(captured)
+            host = table.cpu().tolist()
         rows = captured["rows"]
         has_m1: set[str] = set()
         has_adam: set[str] = set()
@@ -170,6 +183,8 @@ class UpdateRatios:
                     continue
                 if field_name in ("moment2_rms", "eps_dominated") and (layer not in has_adam
                                                                        or not captured["applied"]):
+                    continue
+                if field_name == "moment_nonfinite" and not captured["applied"]:  # no moments after no step
                     continue
                 out[field_name][layer] = int(v) if field_name in COUNT_FIELDS and math.isfinite(v) else v
         return out

@@ -15,6 +15,7 @@ from gradfuse.clip.value import clamp_stats_
 from gradfuse.clip.zclip import ZClip, scale_total_
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.params import with_grads
+from gradfuse.utils import warn
 
 
 def max_norm_of_step(max_norm, step: int) -> tuple[object, ScheduleError | None]:
@@ -108,6 +109,16 @@ class DoubleClipCheck:
             if grad._version > version + allowed:
                 return self.names[key]
         return None
+
+    def warn_once(self, allowed: int, call: str) -> bool:
+        """Warns (``double_clip_message``, naming ``call``) when ``changed(allowed)`` names a
+        sentinel, and then takes the hooks off (the warning is shown once); returns whether it
+        warned."""
+        name = self.changed(allowed)
+        if name is not None:
+            self.remove()
+            warn(double_clip_message(call, name))
+        return name is not None
 
     def remove(self) -> None:
         """Takes the hooks off the sentinel parameters."""

@@ -127,28 +127,48 @@ class Dynamics:
         report.updates = got
         return False
 
-    def on_deferred_step(self, report, skip, loss_scale=None, copy: bool = False) -> None:
-        """``on_step`` of a ``blocking=False`` step, which the host has not decided: the noise
-        scale averages in the step's pair unless ``skip`` (its 0-d device flag, or None: never
-        skipped) says the optimizer skips it. ``copy``: the step's record may be written when it
-        settles: its estimates' host copy starts now. ``settle`` finishes the step."""
-        ns, s = self.noise_scale, report.stats
-        if ns is None:
-            return
-        offered = False
-        if s is None or not len(s):
-            ns.skip_step()
-        else:
-            offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=skip)
-        packed = ns.packed_values() if copy else None
-        self._deferred = (report.step, offered, None if packed is None else HostCopy([packed]))
+    def on_deferred_step(self, report, skip, log_now: bool, loss_scale=None, need_updates: bool = False,
+                         copy: bool = False) -> None:
+        """``on_step`` of a ``blocking=False`` step, whose skip the host has not read: ``skip``
+        is its 0-d device flag (None: never skipped), and with AMP (``loss_scale``) a non-finite
+        step is the scaler's to skip. The noise scale averages in the step's pair unless it is
+        skipped; the update statistics are taken as ``on_step`` takes them, zero where the step
+        is skipped, their per-layer table copied now (``need_updates``: on every step, for the
+        flight recorder). ``copy``: the step's record may be written when it settles: the
+        estimates' host copy starts now. ``settle`` finishes it."""
+        s = report.stats
+        held = skip
+        if loss_scale is not None and s is not None:  # an overflow: GradScaler does not step
+            held = s.nonfinite if held is None else held | s.nonfinite
+        ns = self.noise_scale
+        if ns is not None:
+            offered = False
+            if s is None or not len(s):
+                ns.skip_step()
+            else:
+                offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=held)
+            packed = ns.packed_values() if copy else None
+            self._deferred = (report.step, offered, None if packed is None else HostCopy([packed]))
+        capture, self.capture_next = log_now or self.capture_next, False
+        every = self.update_every is not None and report.step % self.update_every == 0
+        ur = self.update_ratios
+        if ur is not None and (capture or every or need_updates):
+            got = ur.capture(applied=True if held is None else ~held)
+            if got is not None:
+                ur.start_host_copy(got)
+            self._captured = None if got is None else (report.step, got)
+            report.updates = got
 
     def settle(self, report) -> None:
         """A ``blocking=False`` step, decided: a skipped step's pair (or an AMP overflow's) was
-        not averaged in, so it does not count in ``NoiseScale.updates`` either (as with ``on_step``)."""
+        not averaged in, so it does not count in ``NoiseScale.updates`` either (as with
+        ``on_step``), and its update statistics say it applied nothing."""
+        skipped = report.skip or "amp_overflow" in report.anomalies
         step, offered, _copy = self._deferred or (None, False, None)
-        if step == report.step and offered and (report.skip or "amp_overflow" in report.anomalies):
+        if step == report.step and offered and skipped:
             self.noise_scale.updates -= 1
+        if self._captured is not None and self._captured[0] == report.step:
+            self._captured[1]["applied"] = not skipped
 
     def take_step_rows(self, report, step_rows: list) -> None:
         """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took

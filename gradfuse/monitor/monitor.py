@@ -29,7 +29,7 @@ from gradfuse.monitor import recorder_hooks as flight
 from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
 from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
-from gradfuse.monitor.clip_strategy import DoubleClipCheck, double_clip_message, max_norm_of_step
+from gradfuse.monitor.clip_strategy import DoubleClipCheck, max_norm_of_step
 from gradfuse.monitor.deferred import Pending, device_skip_flag, device_skip_for
 from gradfuse.monitor.device_skip import StepHandoff
 from gradfuse.monitor.dynamics import Dynamics
@@ -483,7 +483,10 @@ class GradMonitor:
         someone else changed the gradients since the backward."""
         fused_unscale = self._unscale_here()
         log_now = (self.every > 0 and step % self.every == 0) if log is None else log
-        self._check_double_clip(fused_unscale)
+        # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
+        if self._double_clip is not None and self._double_clip.warn_once(
+                1 if self._amp_active() and not fused_unscale else 0, self._call_name):
+            self._double_clip = None  # warned once: the check goes
         max_norm, bad_max_norm = max_norm_of_step(self.max_norm, step)
         self._max_norm_now = max_norm
         return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
@@ -561,9 +564,10 @@ class GradMonitor:
         skip = device_skip_flag(flags, self, bad_max_norm=plan.bad_max_norm is not None)
         clipped = self._clip(plan, report, skip)
         if self.dynamics is not None:
-            self.dynamics.on_deferred_step(report, skip, self.scaler._scale if self._amp_active() else None,
+            self.dynamics.on_deferred_step(report, skip, plan.log_now, self.scaler._scale if self._amp_active()
+                                           else None, need_updates=flight.wants_updates(self.recorder),
                                            copy=bool(self.sinks))
-        snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None)
+        snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None, dynamics=self.dynamics)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
                                       copy_stats=bool(self.sinks) and (plan.log_now or flags is not None),
                                       headroom_of=self.source if self.histogram and self.sinks else None)
@@ -607,15 +611,6 @@ class GradMonitor:
         if plan.log_now or (report.anomalies and decision.policies):
             self._write(report, event=bool(report.anomalies))
             report.logged = True
-
-    def _check_double_clip(self, fused_unscale: bool) -> None:
-        # scaler.unscale_ (called before the monitor) changes every gradient once, legitimately
-        name = None if self._double_clip is None else self._double_clip.changed(
-            1 if self._amp_active() and not fused_unscale else 0)
-        if name is not None:  # warned once: the check goes
-            self._double_clip.remove()
-            self._double_clip = None
-            warn(double_clip_message(self._call_name, name))
 
     def micro_step(self) -> None:
         """Says a micro-batch's backward has finished (gradient accumulation), for the noise

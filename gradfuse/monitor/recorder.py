@@ -310,12 +310,12 @@ class FlightRecorder:
             s[3] = torch.where(skipped.to(self.device), 1.0, s[3])
         if applied and self.record_updates and self.optimizers and not self.updates_unavailable:
             self._updates(s, rows, updates)
-            if on_device:  # a step skipped on the device applies no update
-                gone = skipped.to(self.device)
+            gone = skipped.to(self.device) if on_device else None
+            if gone is not None:  # a step skipped on the device applies no update
                 s[UPDATE] = torch.where(gone, math.nan, s[UPDATE])
                 cols = slice(LAYER_FIELDS.index("update_rms"), LAYER_FIELDS.index("exp_avg_sq_rms") + 1)
                 rows[:, cols] = torch.where(gone, math.nan, rows[:, cols])
-            bit = self.spikes.decide(s[UPDATE:UPDATE + 1], (UPDATE,))
+            bit = self.spikes.decide(s[UPDATE:UPDATE + 1], (UPDATE,), skip=gone)  # a skipped step's band stays
             self._spike[UPDATE] = bit[0]
             self._pending[UPDATE] = bit[0]
         self.spikes.push(s[:3], (LOSS, GRAD, UPDATE))

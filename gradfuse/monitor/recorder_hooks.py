@@ -78,14 +78,15 @@ def commit_step(recorder: FlightRecorder | None, report, decision, raising: bool
     dump_if_acted(recorder, report, decision)
 
 
-def commit_deferred(recorder: FlightRecorder | None, report, skip, keep: bool):
+def commit_deferred(recorder: FlightRecorder | None, report, skip, keep: bool, dynamics=None):
     """``commit_step`` for a monitor that never blocks: the row of the step with its skip as
     decided on the device (``skip``, a 0-d bool, or None), and, when ``keep``, the
     ``RecorderSnapshot`` the host reads the next step (else None)."""
     if recorder is None:
         return None
     skipped = skip if skip is not None else False
-    return recorder.commit(report.stats, skipped=skipped, applied=True, snapshot=keep)
+    updates = None if dynamics is None else dynamics.planned_updates(report, recorder.optimizers)
+    return recorder.commit(report.stats, skipped=skipped, applied=True, updates=updates, snapshot=keep)
 
 
 def dump_if_acted(recorder: FlightRecorder | None, report, decision, snapshot=None) -> None:

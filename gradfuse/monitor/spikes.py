@@ -49,9 +49,10 @@ class SpikeDetector:
         if self._saved is not None:
             self._restore(self._saved)
 
-    def decide(self, x: torch.Tensor, quantities: tuple[int, ...]) -> torch.Tensor:
+    def decide(self, x: torch.Tensor, quantities: tuple[int, ...], skip: torch.Tensor | None = None) -> torch.Tensor:
         """Spike bits of values ``x`` of ``quantities`` against their history (before them);
-        the bands (mean, std, count) are kept for the dump."""
+        the bands (mean, std, count) are kept for the dump. ``skip``: a 0-d bool on the device,
+        True for a step that does not count (skipped there): the bands stay, no bit is set."""
         q = self._quantity_ids[quantities]
         h, n = self.history.index_select(0, q), self.history_count.index_select(0, q)
         valid = torch.arange(self.window, device=self.device)[None, :] < n[:, None]
@@ -59,8 +60,12 @@ class SpikeDetector:
         mean = torch.where(valid, h, 0.0).sum(1) / nf.clamp(min=1)
         var = torch.where(valid, (h - mean[:, None]) ** 2, 0.0).sum(1) / (nf - 1).clamp(min=1)
         std = var.sqrt()
-        self.bands.index_copy_(0, q, torch.stack([mean, std, nf], 1))
-        return (n >= self.warmup) & torch.isfinite(x) & (x - mean > self.sigma * std)
+        bands = torch.stack([mean, std, nf], 1)
+        if skip is not None:
+            bands = torch.where(skip, self.bands.index_select(0, q), bands)
+        self.bands.index_copy_(0, q, bands)
+        bits = (n >= self.warmup) & torch.isfinite(x) & (x - mean > self.sigma * std)
+        return bits if skip is None else bits & ~skip
 
     def push(self, x: torch.Tensor, quantities: tuple[int, ...]) -> None:
         """Adds the finite values ``x`` to the histories of ``quantities``."""

@@ -51,16 +51,21 @@ def plant(model, step):
         torch._foreach_mul_(grads, 60.0)
 
 
-def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, forward_nan=False, **options):
-    """``forward_nan``: the step's NaN enters in the forward (the head's input), not in a gradient."""
+def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, forward_nan=False, record_updates=False,
+        **options):
+    """``forward_nan``: the step's NaN enters in the forward (the head's input), not in a gradient;
+    ``update_ratios="opt"``: those of the run's optimizer."""
     torch.manual_seed(0)
     model = TinyTransformer()
     if optimizer_kind == "gradfuse":
         opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if options.get("update_ratios") == "opt":
+        options["update_ratios"] = opt
     log = tmp_path / f"run-{blocking}.jsonl"
-    recorder = FlightRecorder(steps=16, window=32, warmup=20, dump_dir=tmp_path / f"dumps-{blocking}")
+    recorder = FlightRecorder(steps=16, window=32, warmup=20, dump_dir=tmp_path / f"dumps-{blocking}",
+                              record_updates=record_updates)
     monitor = GradMonitor(model, max_norm=1.0, every=10, on_nonfinite="skip", explode_threshold=1e3,
                           on_explode="skip", recorder=recorder, on_spike="dump", sinks=[JsonlSink(log)],
                           optimizer=None if blocking else opt, blocking=blocking, **options)
@@ -136,7 +141,12 @@ def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional
     assert msg_b == msg_n and len(msg_b) >= 2
     assert mon_b.counters() == mon_n.counters() and mon_n.counters()["skipped_steps"] == 2
 
-    # the same dumps: the ring as each anomalous step left it, and the same trigger
+    assert_same_dumps(rep_b, rep_n)
+
+
+def assert_same_dumps(rep_b, rep_n):
+    """The same dumps: the ring as each anomalous step left it, and the same trigger."""
+    assert any(r.dump is not None for r in rep_b)
     for rb, rn in zip(rep_b, rep_n, strict=True):
         assert (rb.dump is None) == (rn.dump is None)
         if rb.dump is not None:
@@ -234,6 +244,26 @@ def test_the_noise_scale_never_waits_and_gives_the_blocking_estimates(tmp_path, 
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
+def test_update_statistics_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    options = dict(update_ratios="opt", update_every=3, record_updates=True)
+    _, _, mon_b, rep_b, rec_b, _, _ = run(tmp_path, blocking=True, **options)
+    _, _, mon_n, rep_n, rec_n, _, _ = run(tmp_path, blocking=False, guard=guard, **options)
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    assert [r.step for r in rep_n if r.updates is not None] == [r.step for r in rep_b if r.updates is not None]
+    assert len([r for r in rep_n if r.updates is not None]) > STEPS // 3
+    by_step = {r["step"]: r for r in rec_b}
+    assert all(by_step[s]["update_norm"] for s in (50, NAN_AT, EXPLODE_AT))
+    for skipped in (NAN_AT, EXPLODE_AT):  # nothing applied: no update, no moments
+        assert set(by_step[skipped]["update_norm"].values()) == {0.0} and by_step[skipped]["moment1_rms"] == {}
+    assert min(by_step[50]["update_norm"].values()) > 0 and by_step[50]["moment1_rms"]
+    assert_same_records(rec_b, rec_n)
+    assert mon_b.counters() == mon_n.counters()
+    assert_same_dumps(rep_b, rep_n)  # the flight recorder's update columns too
+    ring = load_dump(rep_n[NAN_AT].dump).arrays  # update norms recorded; none for the skipped step
+    assert ring["steps"][-1] == NAN_AT and ring["scalars"][:-1, 2].isfinite().all() and ring["scalars"][-1, 2].isnan()
+
+
 def test_the_report_is_settled_at_the_next_step(tmp_path):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
@@ -318,13 +348,13 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
     assert not quiet.step().settled
 
 
-@pytest.mark.parametrize("option", [dict(update_ratios=True), dict(update_every=1, update_ratios=True),
-                                    dict(max_update_rms=0.1)])
+@pytest.mark.parametrize("option", [dict(max_update_rms=0.1), dict(update_ratios=True, fused_step=True),
+                                    dict(update_every=1, update_ratios=True, fused_step=True)])
 def test_options_that_read_the_host_on_the_step_are_refused(option):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="blocking=False does not take"):
-        GradMonitor(model, optimizer=opt, blocking=False, **option)
+        GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, **option)
 
 
 def test_attach_hands_the_skip_to_the_optimizers_step():
