@@ -71,9 +71,9 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
         ValueError: ``on_nonfinite`` / ``on_explode`` / ``on_spike`` not one of the policies;
             ``explode_threshold`` not > 0; ``every`` < 0; ``sink_ranks`` neither a rank number
             nor ``"all"``; ``optimizer`` without ``scaler``, ``max_update_rms`` or
-            ``blocking=False``; ``blocking=False`` with ``max_update_rms``, or with
-            ``fused_step`` and ``update_ratios`` / ``update_every`` (``reads_on_step``: those
-            options, which read the host on the step); ``fused_step`` without a
+            ``blocking=False``; ``blocking=False`` with ``fused_step`` and ``update_ratios`` /
+            ``update_every`` / ``max_update_rms`` (``reads_on_step``: those options, which
+            read the host on the step when they ride it); ``fused_step`` without a
             ``gradfuse.optim`` optimizer, with a ``max_norm`` that is not a number or a
             schedule, with ``per``, or with ``scaler``.
     """
@@ -86,14 +86,11 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
                              "numeric or schedule max_norm, without per= or scaler=")
     if not isinstance(blocking, bool):
         raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
-    # what still reads the host on the step: the update clipping's hooks, and the update
-    # statistics riding a fused step (their rows are read once the step has run)
-    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False
-          and (fused_step or name == "max_update_rms")]
-    if not blocking and on:
-        raise ValueError(f"gradfuse.GradMonitor: blocking=False does not take {', '.join(on)}"
-                         f"{' with fused_step=True' if fused_step else ''}: "
-                         "they read the host on the step; use blocking=True")
+    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
+    if not blocking and fused_step and on:
+        raise ValueError(f"gradfuse.GradMonitor: blocking=False with fused_step=True does not take {', '.join(on)}: "
+                         "riding the step, the update statistics and coefficients are read on the host once it has "
+                         "run; use fused_step=False (they take their own pass) or blocking=True")
     check_policy("on_nonfinite", on_nonfinite)
     check_policy("on_explode", on_explode)
     check_policy("on_spike", on_spike, SPIKE_POLICIES)

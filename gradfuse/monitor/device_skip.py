@@ -78,10 +78,16 @@ class StepHandoff:
         self._after = callback
 
     def finish(self) -> None:
-        """Runs a callback of ``after_step`` whose step never came, with None."""
+        """Runs a callback of ``after_step`` whose step never came, with None; and settles each
+        ``gradfuse.optim`` optimizer's latest skip (``settle_skip``, from its host copy), so that
+        what plans the coming update (the update statistics, ``max_update_rms``) reads the step
+        counters of a run that did not take a skipped step."""
         callback, self._after = self._after, None
         if callback is not None:
             callback(None)
+        for opt in self.optimizers:
+            if isinstance(opt, FusedStep):
+                opt.settle_skip()
 
     def _pre(self, optimizer, args, kwargs):
         flag, scale = self._flag, self._grad_scale

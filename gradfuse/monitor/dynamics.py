@@ -82,7 +82,10 @@ class Dynamics:
         # update) sets this before the step it will log.
         self.capture_next = False
         self._captured: tuple[int, dict] | None = None
-        self._deferred: tuple | None = None  # blocking=False: (step, offered a pair, HostCopy of the estimates)
+        # blocking=False: (step, offered a pair, HostCopy of the estimates and of the updates
+        # rescaled), and the rescaled updates of the steps settled
+        self._deferred: tuple | None = None
+        self._settled_clips: dict[str, int] | None = None
 
     def micro_step(self, watch) -> None:
         """After a micro-batch's backward; ``watch``: the monitor's handle on the gradients."""
@@ -116,59 +119,67 @@ class Dynamics:
             return True
         got = ur.capture(applied=not skipped)
         if got is not None and clip is not None and not skipped:
-            rows = got["rows"]
-            coefs = clip.prepare(rows)
-            # the record describes the update applied: rescaled where the coefficient is below 1
-            scale = torch.where(coefs < 1, coefs * coefs, torch.ones_like(coefs))
-            floats = rows.floats.clone()
-            floats[:, UPDATE_SUMSQ] = floats[:, UPDATE_SUMSQ] * scale
-            got = {**got, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}
+            got = _with_coefs(got, clip.prepare(got["rows"]))
         self._captured = None if got is None else (report.step, got)
         report.updates = got
         return False
 
-    def on_deferred_step(self, report, skip, log_now: bool, loss_scale=None, need_updates: bool = False,
-                         copy: bool = False) -> None:
+    def on_deferred_step(self, report, skip, log_now: bool, loss_scale=None, need_updates: bool = False) -> None:
         """``on_step`` of a ``blocking=False`` step, whose skip the host has not read: ``skip``
         is its 0-d device flag (None: never skipped), and with AMP (``loss_scale``) a non-finite
         step is the scaler's to skip. The noise scale averages in the step's pair unless it is
         skipped; the update statistics are taken as ``on_step`` takes them, zero where the step
         is skipped, their per-layer table copied now (``need_updates``: on every step, for the
-        flight recorder). ``copy``: the step's record may be written when it settles: the
-        estimates' host copy starts now. ``settle`` finishes it."""
+        flight recorder); ``max_update_rms`` gets coefficients of 1 where the step is skipped
+        (its hooks then rescale nothing). The estimates and the count of rescaled updates are
+        copied now too; ``settle`` finishes the step when the host has read its skip."""
         s = report.stats
         held = skip
         if loss_scale is not None and s is not None:  # an overflow: GradScaler does not step
             held = s.nonfinite if held is None else held | s.nonfinite
-        ns = self.noise_scale
+        ns, offered, clipped = self.noise_scale, False, None
         if ns is not None:
-            offered = False
             if s is None or not len(s):
                 ns.skip_step()
             else:
                 offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=held)
-            packed = ns.packed_values() if copy else None
-            self._deferred = (report.step, offered, None if packed is None else HostCopy([packed]))
         capture, self.capture_next = log_now or self.capture_next, False
         every = self.update_every is not None and report.step % self.update_every == 0
-        ur = self.update_ratios
-        if ur is not None and (capture or every or need_updates):
+        ur, clip = self.update_ratios, self.update_clip
+        if ur is not None and (capture or every or need_updates or clip is not None):
             got = ur.capture(applied=True if held is None else ~held)
+            if got is not None and clip is not None:
+                coefs = clip.coefs(got["rows"])
+                got = _with_coefs(got, clip.prepare(got["rows"], coefs if held is None
+                                                    else torch.where(held, 1.0, coefs)))
+                clipped = (got["coefs"] < 1).sum()
             if got is not None:
                 ur.start_host_copy(got)
             self._captured = None if got is None else (report.step, got)
             report.updates = got
+        if clip is not None and self._settled_clips is None:
+            self._settled_clips = {"update_clipped_params": 0, "update_clipped_steps": 0}
+        self._deferred = (report.step, offered, HostCopy([None if ns is None else ns.packed_values(), clipped]))
 
     def settle(self, report) -> None:
         """A ``blocking=False`` step, decided: a skipped step's pair (or an AMP overflow's) was
         not averaged in, so it does not count in ``NoiseScale.updates`` either (as with
-        ``on_step``), and its update statistics say it applied nothing."""
+        ``on_step``); its update statistics say it applied nothing; the updates it rescaled
+        are counted."""
+        step, offered, copy = self._deferred or (None, False, None)
+        if step != report.step:
+            return
         skipped = report.skip or "amp_overflow" in report.anomalies
-        step, offered, _copy = self._deferred or (None, False, None)
-        if step == report.step and offered and skipped:
+        if offered and skipped:
             self.noise_scale.updates -= 1
         if self._captured is not None and self._captured[0] == report.step:
             self._captured[1]["applied"] = not skipped
+            if skipped:  # nothing rescaled: the record says nothing of the update clipping (as on_step)
+                self._captured[1].pop("coefs", None)
+        clipped = copy.get()[1]
+        if clipped is not None:
+            self._settled_clips["update_clipped_params"] += int(clipped)
+            self._settled_clips["update_clipped_steps"] += int(clipped) > 0
 
     def take_step_rows(self, report, step_rows: list) -> None:
         """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took
@@ -202,10 +213,11 @@ class Dynamics:
         ``weight_nonfinite``) and with ``max_update_rms`` ``update_clipped`` (the parameters whose
         update is rescaled at this step), or ``update_ratio_unavailable`` (why not)."""
         out = {}
-        if self.noise_scale is not None:  # a blocking=False step's: from the copy its step took
-            step, _offered, copy = self._deferred or (None, False, None)
-            out["noise_scale"] = (self.noise_scale.host_values() if step != report.step
-                                  else None if copy is None else values_of_packed(copy.get()[0]))
+        step, _offered, copy = self._deferred or (None, False, None)
+        host = copy.get() if step == report.step else None  # a blocking=False step's: its copies
+        if self.noise_scale is not None:
+            out["noise_scale"] = (self.noise_scale.host_values() if host is None
+                                  else None if host[0] is None else values_of_packed(host[0]))
         ur = self.update_ratios
         if ur is not None:
             if ur.unavailable:
@@ -214,7 +226,7 @@ class Dynamics:
                 got = self._captured[1]
                 out.update(ur.layers(got))
                 if "coefs" in got:
-                    out["update_clipped"] = int((got["coefs"] < 1).sum())
+                    out["update_clipped"] = int((got["coefs"] < 1).sum() if host is None else host[1])
         return out
 
     def counters(self) -> dict[str, int]:
@@ -223,8 +235,12 @@ class Dynamics:
         device counters); else empty."""
         if self.update_clip is None:
             return {}
-        now = self.update_clip.counts()
+        now = self._clip_counts()
         return {k: now[k] + self._clip_restored[k] for k in now}
+
+    def _clip_counts(self) -> dict[str, int]:
+        # blocking=False: the steps settled so far, from their host copies; else the device counters
+        return dict(self._settled_clips) if self._settled_clips is not None else self.update_clip.counts()
 
     def state_dict(self) -> dict:
         """The noise scale estimator's state, for checkpoints."""
@@ -238,5 +254,15 @@ class Dynamics:
         if self.noise_scale is not None and state.get("noise_scale") is not None:
             self.noise_scale.load_state_dict(state["noise_scale"])
         if self.update_clip is not None and state.get("update_clip") is not None:
-            now = self.update_clip.counts()
+            now = self._clip_counts()
             self._clip_restored = {k: int(state["update_clip"].get(k, 0)) - now[k] for k in now}
+
+
+def _with_coefs(got: dict, coefs: torch.Tensor) -> dict:
+    """``got`` (a capture) with the update clipping's ``coefs``: its rows describe the update
+    applied, rescaled where the coefficient is below 1."""
+    rows = got["rows"]
+    scale = torch.where(coefs < 1, coefs * coefs, torch.ones_like(coefs))
+    floats = rows.floats.clone()
+    floats[:, UPDATE_SUMSQ] = floats[:, UPDATE_SUMSQ] * scale
+    return {**got, "rows": dataclasses.replace(rows, floats=floats), "coefs": coefs}

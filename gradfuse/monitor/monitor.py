@@ -166,8 +166,9 @@ class GradMonitor:
             from its host copy (a skipped step's of its clipped gradients; none on the record
             of a step that did not log); ``activations`` / ``trace_nonfinite``: the rows and
             NaN counts copied at the step, the record and the first non-finite module from the
-            copy. Not with ``noise_scale``, ``update_ratios``, ``update_every`` or
-            ``max_update_rms``, which read the host on the step.
+            copy; ``noise_scale``, ``update_ratios``, ``update_every``, ``max_update_rms``: a
+            skipped step left out on the device, the records from host copies (not with
+            ``fused_step=True``, whose update rows are read once the step has run).
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
             parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
@@ -565,8 +566,7 @@ class GradMonitor:
         clipped = self._clip(plan, report, skip)
         if self.dynamics is not None:
             self.dynamics.on_deferred_step(report, skip, plan.log_now, self.scaler._scale if self._amp_active()
-                                           else None, need_updates=flight.wants_updates(self.recorder),
-                                           copy=bool(self.sinks))
+                                           else None, need_updates=flight.wants_updates(self.recorder))
         snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None, dynamics=self.dynamics)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
                                       copy_stats=bool(self.sinks) and (plan.log_now or flags is not None),

@@ -264,6 +264,25 @@ def test_update_statistics_never_wait_and_give_the_blocking_records(tmp_path, fu
     assert ring["steps"][-1] == NAN_AT and ring["scalars"][:-1, 2].isfinite().all() and ring["scalars"][-1, 2].isnan()
 
 
+def test_update_clipping_never_waits_and_gives_the_blocking_weights(tmp_path, functional_watch):
+    guard = SyncGuard(allowed=None, host_copies=True)
+    options = dict(max_update_rms=4e-4, update_ratios="opt", update_every=4)
+    model_b, opt_b, mon_b, rep_b, rec_b, _, _ = run(tmp_path, blocking=True, **options)
+    model_n, opt_n, mon_n, rep_n, rec_n, _, _ = run(tmp_path, blocking=False, guard=guard, **options)
+    assert guard.reads == [] and guard.saw_gradfuse_op()
+    counts = mon_n.counters()
+    assert counts == mon_b.counters() and 0 < counts["update_clipped_steps"] < STEPS - 2
+    assert counts["update_clipped_params"] > counts["update_clipped_steps"]
+    # the skipped steps rescaled nothing (the explosion's clipped update would have been): the weights
+    # are those of the blocking run, bit for bit
+    for a, b in zip(model_b.parameters(), model_n.parameters(), strict=True):
+        assert torch.equal(a, b)
+    by_step = {r["step"]: r for r in rec_n}
+    assert "update_clipped" not in by_step[NAN_AT] and "update_clipped" not in by_step[EXPLODE_AT]
+    assert sum(r.get("update_clipped", 0) for r in rec_n) > 0
+    assert_same_records(rec_b, rec_n)
+
+
 def test_the_report_is_settled_at_the_next_step(tmp_path):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
@@ -348,13 +367,14 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
     assert not quiet.step().settled
 
 
-@pytest.mark.parametrize("option", [dict(max_update_rms=0.1), dict(update_ratios=True, fused_step=True),
-                                    dict(update_every=1, update_ratios=True, fused_step=True)])
-def test_options_that_read_the_host_on_the_step_are_refused(option):
+@pytest.mark.parametrize("option", [dict(max_update_rms=0.1), dict(update_ratios=True),
+                                    dict(update_every=1, update_ratios=True)])
+def test_update_options_riding_the_step_are_refused(option):
     model = nn.Linear(4, 3)
     opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="blocking=False does not take"):
-        GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, **option)
+    with pytest.raises(ValueError, match="blocking=False with fused_step=True does not take"):
+        GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, fused_step=True, **option)
+    GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, **option).close()  # their own pass
 
 
 def test_attach_hands_the_skip_to_the_optimizers_step():
