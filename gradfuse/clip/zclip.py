@@ -113,6 +113,7 @@ class ZClip:
         self._var: torch.Tensor | None = None
         self.last_total_norm: torch.Tensor | None = None
         self.last_threshold: torch.Tensor | None = None
+        self._unsettled = False  # the latest step took a skip flag the host has not read
         self.last_clip_coef: torch.Tensor | None = None
         self._watch = None
 
@@ -146,7 +147,7 @@ class ZClip:
             self._mean = torch.zeros((), **f64) if self._mean is None else self._mean.to(**f64)
             self._var = torch.zeros((), **f64) if self._var is None else self._var.to(**f64)
 
-    def clip_coef(self, total_norm: torch.Tensor) -> torch.Tensor:
+    def clip_coef(self, total_norm: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         """Takes one step of the state for this total norm; returns the coefficient (float64,
         0-d, at most 1) the gradients are to be multiplied by. No host sync.
 
@@ -155,6 +156,9 @@ class ZClip:
 
         Args:
             total_norm: The gradients' total L2 norm, a 0-d tensor (on the device).
+            skip: A 0-d bool on the device, True for a step the optimizer skips there: the
+                state (and ``last_threshold``) stays as it was. ``steps`` counts the step until
+                ``settle`` says whether it was skipped.
 
         Returns:
             The clip coefficient: a 0-d tensor on ``total_norm``'s device (float64, or float32
@@ -172,13 +176,17 @@ class ZClip:
         g = g.to(ops.stats_dtype(g.device))
         self._state_on(g.device)
         inf = torch.full((), math.inf, dtype=g.dtype, device=g.device)
+
+        def kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # the old value on a skipped step
+            return new if skip is None else torch.where(skip.to(new.device), old, new)
+
         if not self.initialized:
-            self._buffer[self.steps].copy_(g)
+            self._buffer[self.steps].copy_(kept(self._buffer[self.steps], g))
             self.steps += 1
             if self.initialized:  # as zclip: population mean and variance of the warm-up norms
                 mean = self._buffer.sum() / self._buffer.numel()
-                self._mean.copy_(mean)
-                self._var.copy_(((self._buffer - mean) ** 2).sum() / self._buffer.numel())
+                self._mean.copy_(kept(self._mean, mean))
+                self._var.copy_(kept(self._var, ((self._buffer - mean) ** 2).sum() / self._buffer.numel()))
             if self.max_grad_norm is None:
                 coef, threshold = torch.ones_like(g), inf
             else:  # torch.nn.utils.clip_grad_norm_'s coefficient
@@ -212,10 +220,21 @@ class ZClip:
             if self.skip_update_on_spike:
                 new_mean = torch.where(spike, mean, new_mean)
                 new_var = torch.where(spike, var, new_var)
-            self._mean.copy_(new_mean)
-            self._var.copy_(new_var)
+            self._mean.copy_(kept(mean, new_mean))
+            self._var.copy_(kept(var, new_var))
+        if skip is not None and self.last_threshold is not None:
+            threshold = kept(self.last_threshold.to(threshold.device, threshold.dtype), threshold)
         self.last_total_norm, self.last_threshold, self.last_clip_coef = g, threshold, coef
+        self._unsettled = skip is not None
         return coef
+
+    def settle(self, skipped: bool) -> None:
+        """The host has read the skip flag the latest ``clip_coef(skip=)`` took: a skipped step
+        does not count in ``steps`` (its state was left as it was on the device). Does nothing
+        after a step without a flag, or once settled."""
+        if self._unsettled and skipped:
+            self.steps -= 1
+        self._unsettled = False
 
     @torch.no_grad()
     def step(self, model) -> torch.Tensor:

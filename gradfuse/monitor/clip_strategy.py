@@ -138,13 +138,14 @@ def double_clip_message(call: str, name: str) -> str:
             "scaling), pass check_double_clip=False. (This warning is shown once.)")
 
 
-def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now) -> GradStats:
+def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now, skip=None) -> GradStats:
     """Clips the gradients ``s`` was taken of (``named_grads``: their names and tensors) by the
-    monitor's configured mode; ``max_norm_now`` is this step's float max_norm or a ZClip.
+    monitor's configured mode; ``max_norm_now`` is this step's float max_norm or a ZClip
+    (``skip``: the step's device skip flag, which leaves a ZClip's state as it was).
     Returns ``s`` with what was applied."""
     _names, grads = named_grads
     if isinstance(max_norm_now, ZClip):
-        coef = max_norm_now.clip_coef(s.plain_total_norm)
+        coef = max_norm_now.clip_coef(s.plain_total_norm, skip=skip)
         scale_total_(grads, coef, s.plain_total_norm.dtype)
         return s.replace(clip_coef=coef, max_norm=None)
     if mode.get("per"):
@@ -158,10 +159,11 @@ def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now) -> GradSt
 
 
 def clip_other_modes_(s: GradStats, watch, max_norm_now, *, per: str | None, layer_depth: int | None,
-                      clip_value: float | None, agc: tuple | None) -> GradStats:
+                      clip_value: float | None, agc: tuple | None, skip=None) -> GradStats:
     """The monitor's clip in the modes other than one plain ``max_norm``: AGC (``agc``: its
     checked (clip_factor, eps, norm_type)), by value, per parameter or layer, or a ZClip
-    threshold; ``watch`` is the monitor's handle on the gradients ``s`` was taken of."""
+    threshold; ``watch`` is the monitor's handle on the gradients ``s`` was taken of; ``skip``:
+    the step's device skip flag (a ZClip's state stays on a skipped step)."""
     if agc is not None:
         cf, eps, p = agc
         _names, params, _grads = with_grads(watch.names, watch.params)
@@ -174,4 +176,4 @@ def clip_other_modes_(s: GradStats, watch, max_norm_now, *, per: str | None, lay
         s.clamped, s.clip_value = clamped.clamped, clip_value
         return s
     return monitor_clip_(s, watch.named_grads(), {"per": per, "layer_depth": layer_depth},
-                         max_norm_now)
+                         max_norm_now, skip)

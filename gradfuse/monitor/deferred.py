@@ -6,7 +6,8 @@ What is decided where: the flag (non-finite, explosion, spike) and the skip on t
 the step; everything the host does with it (warnings, counters, a ``"raise"``, dumps, records)
 at the next ``step``, ``flush``, ``close`` or ``state_dict``, from the host copies.
 
-Layer: monitor. Imports ``gradfuse.core`` and the monitor's policies, device skip and record.
+Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.clip.zclip`` and the monitor's policies,
+device skip and record.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradfuse.clip.zclip import ZClip
 from gradfuse.core.host_copy import HostCopy
 from gradfuse.monitor.device_skip import StepHandoff, device_skip_kind
 from gradfuse.monitor.policies import skip_bits
@@ -80,6 +82,14 @@ class Pending:
         report.settled = False
         return cls(plan, report, capture, snapshot, HostCopy([flags, clipped, logged if isinstance(
             logged, torch.Tensor) else None]), max_norm=None if isinstance(logged, torch.Tensor) else logged)
+
+    def settled(self, dynamics) -> None:
+        """Once the policies have decided the step: tells what counted it on the host before its
+        skip was known (a ZClip's ``steps``, the monitor's ``dynamics``) whether it was skipped."""
+        if isinstance(self.plan.max_norm, ZClip):
+            self.plan.max_norm.settle(self.report.skip)
+        if dynamics is not None:
+            dynamics.settle(self.report)
 
     def read(self):
         """Reads the copies (on CUDA, waits for their event: by the next step it has passed);

@@ -541,7 +541,7 @@ class GradMonitor:
         the report's); returns the step's 0-d clipped bit, or None."""
         clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
-        s = plan.clip(report.stats, clip)
+        s = plan.clip(report.stats, clip, skip)
         self._step_hook.arm(skip, s.clip_coef if clip and plan.ride else None)  # what the step takes on the device
         if clip and s.clipped is not None:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
@@ -582,8 +582,7 @@ class GradMonitor:
         report = pending.read()
         decision = self._apply_policies(pending.plan, report, pending.capture, pending)
         self._clipped_restored += pending.clipped and not report.skip  # a skipped step applied no clip
-        if self.dynamics is not None:
-            self.dynamics.settle(report)
+        pending.settled(self.dynamics)
         flight.dump_if_acted(self.recorder, report, decision, pending.snapshot)
         report.settled = True
         if pending.plan.log_now or (report.anomalies and decision.policies):

@@ -18,6 +18,9 @@ from gradfuse.monitor.report import StepReport
 from gradfuse.numerics import headroom
 from gradfuse.numerics.histogram import attach as attach_histogram
 
+# what a row of a clipped step's statistics says of its clip (per=, clip_value=)
+_CLIP_KEYS = ("clip_coef", "clipped", "clamped")
+
 
 def step_record(monitor, report: StepReport, event: bool, max_norm_now, logged_max_norm=None) -> dict:
     """The record of ``report`` (reads its statistics: one transfer), as ``GradMonitor.record``.
@@ -36,6 +39,9 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now, logged_m
         The record, a dict of plain values.
     """
     d = report.stats.to_dict()
+    params = d["params"]
+    if report.skip:  # no clip applied, per parameter either
+        params = {name: {k: v for k, v in row.items() if k not in _CLIP_KEYS} for name, row in params.items()}
     extra = {} if monitor.dynamics is None else monitor.dynamics.record(report)
     return {
         "step": report.step,
@@ -51,7 +57,7 @@ def step_record(monitor, report: StepReport, event: bool, max_norm_now, logged_m
         "message": report.message,
         "event": event,
         "counters": monitor.counters(),
-        "params": d["params"],
+        "params": params,
         "layers": report.stats.layers(monitor.layer_depth),
         **(_headroom_fields(monitor.source, report, monitor.layer_depth) if monitor.histogram else {}),
         **extra,

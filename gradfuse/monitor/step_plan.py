@@ -70,7 +70,7 @@ class StepPlan:
         if self.fused_unscale:
             amp.finish_unscale_(self.monitor.scaler, self.monitor.optimizer, self.grads, s, self.inv_scale, None)
 
-    def clip(self, s: GradStats, clip: bool) -> GradStats:
+    def clip(self, s: GradStats, clip: bool, skip=None) -> GradStats:
         """Finishes the fused AMP unscale, and clips when ``clip`` (unless the statistics pass
         clipped already).
 
@@ -78,6 +78,8 @@ class StepPlan:
             s: The statistics ``take_stats`` returned.
             clip: The step clips (a mode is set, and the step is neither skipped nor the
                 scaler's to skip).
+            skip: The step's skip flag on the device (``blocking=False``), or None: a ZClip's
+                state stays as it was on a skipped step.
 
         Returns:
             The statistics, with the clip's ``clip_coef`` and ``clipped`` when it clipped.
@@ -90,7 +92,7 @@ class StepPlan:
             s = with_clip_coefficient(s, self.max_norm) if self.ride else self.watch.clip_to(s, self.max_norm)
         if clip and not self.plain and not self.value_now:  # the other modes
             s = clip_other_modes_(s, self.watch, self.max_norm, per=m.per, layer_depth=m.layer_depth,
-                                  clip_value=m.clip_value, agc=m.agc)
+                                  clip_value=m.clip_value, agc=m.agc, skip=skip)
         return s
 
 

@@ -31,12 +31,6 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.fixture
-def functional_watch(monkeypatch):
-    """gradfuse.watch without its C++ fast path: the functional path it hands over to."""
-    monkeypatch.setattr(GradWatch, "_fast_ready", lambda self: False)
-
-
 @pytest.mark.parametrize("read", [
     lambda t: t.sum().item(), lambda t: bool(t.sum() > 0), lambda t: int(t.sum()), lambda t: float(t.sum()),
     lambda t: t.tolist(), lambda t: t.numpy(), lambda t: torch.equal(t, t), lambda t: t.sum() > 0 and 1,

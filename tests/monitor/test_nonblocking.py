@@ -18,7 +18,6 @@ from torch import nn
 import gradfuse
 import gradfuse.optim
 from gradfuse import FlightRecorder, GradMonitor, JsonlSink, load_dump
-from gradfuse.core.watch import GradWatch
 
 STEPS = 200
 NAN_AT, EXPLODE_AT, SPIKE_AT = 60, 110, 160
@@ -66,9 +65,10 @@ def run(tmp_path, blocking: bool, optimizer_kind="gradfuse", guard=None, forward
     log = tmp_path / f"run-{blocking}.jsonl"
     recorder = FlightRecorder(steps=16, window=32, warmup=20, dump_dir=tmp_path / f"dumps-{blocking}",
                               record_updates=record_updates)
-    monitor = GradMonitor(model, max_norm=1.0, every=10, on_nonfinite="skip", explode_threshold=1e3,
-                          on_explode="skip", recorder=recorder, on_spike="dump", sinks=[JsonlSink(log)],
-                          optimizer=None if blocking else opt, blocking=blocking, **options)
+    settings = dict(max_norm=1.0, every=10, on_nonfinite="skip", explode_threshold=1e3, on_explode="skip",
+                    recorder=recorder, on_spike="dump", sinks=[JsonlSink(log)],
+                    optimizer=opt if not blocking or options.get("fused_step") else None)
+    monitor = GradMonitor(model, blocking=blocking, **{**settings, **options})
     reports, losses = [], []
     data = batches()
     with warnings.catch_warnings(record=True) as caught:
@@ -102,11 +102,6 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-@pytest.fixture
-def functional_watch(monkeypatch):
-    monkeypatch.setattr(GradWatch, "_fast_ready", lambda self: False)
 
 
 def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional_watch):
@@ -158,24 +153,23 @@ def assert_same_dumps(rep_b, rep_n):
                 assert torch.equal(db.arrays[key].nan_to_num(7.0), dn.arrays[key].nan_to_num(7.0)), key
 
 
-def assert_same_records(rec_b, rec_n, histogram=False):
+def assert_same_records(rec_b, rec_n, histogram=False, fused_step=False):
     """The blocking and the non-blocking run's records are the same, in step order (dump paths by
     their file name). With ``histogram``: a logging step's gradient exponents are taken at the
     step, so the record close() writes has none under blocking=False, and a skipped step's are
-    of its gradients clipped on the device."""
+    of its gradients clipped on the device (unless the clip rides the step: ``fused_step``)."""
     skipped = {NAN_AT, EXPLODE_AT}
     assert [r["step"] for r in rec_b] == [r["step"] for r in rec_n] and skipped < {r["step"] for r in rec_b}
     for a, b in zip(rec_b, rec_n, strict=True):
         for r in (a, b):
             r["dump"] = r["dump"].rsplit("/", 1)[-1] if "dump" in r else None
         taken = a["step"] % 10 == 0  # logging steps: taken at the step
-        if histogram and a["step"] == STEPS - 1:
-            assert "exponents" not in b and a.pop("exponents") == {} and a.pop("headroom") == {}  # (grads zeroed)
+        if histogram and not taken:  # the record close() writes, or an anomaly's off the logging steps
+            assert "exponents" not in b and "exponents" in a, a["step"]
+            a.pop("exponents"), a.pop("headroom")
         elif histogram:
-            assert ("exponents" in a) == ("exponents" in b) == taken, a["step"]
-        if histogram and taken:
-            assert sum(sum(e["counts"]) for e in a["exponents"].values()) > 0
-        if histogram and a["step"] in skipped:
+            assert "exponents" in b and sum(sum(e["counts"]) for e in a["exponents"].values()) > 0
+        if histogram and a["step"] in skipped and not fused_step:
             assert a["exponents"] != b["exponents"]
             for r in (a, b):
                 r.pop("exponents"), r.pop("headroom")
