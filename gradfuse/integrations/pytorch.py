@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from gradfuse.monitor.arguments import refused_without_blocking
+from gradfuse.monitor.device_skip import device_skip_kind
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.optim import from_torch
 
@@ -195,14 +197,20 @@ class Attachment:
             monitor_kwargs = {**monitor_kwargs, "update_ratios": optimizers}
         if model is not None and (monitor_kwargs.get("activations") or monitor_kwargs.get("trace_nonfinite")):
             monitor_kwargs = {**monitor_kwargs, "module": model}  # the hooks go on the model
-        # blocking=False: the one optimizer takes the skip on the device (an accelerate loop reads
-        # step_was_skipped on the host for its scheduler: that one keeps the host's decision)
-        on_device = monitor_kwargs.get("blocking") is False and len(optimizers) == 1 and not any(accelerated)
         if monitor_kwargs.get("fused_step"):  # the clip rides the step: a gradfuse.optim optimizer, adopted in place
             if len(optimizers) != 1 or any(accelerated):
                 raise ValueError("gradfuse.attach: fused_step=True takes one torch optimizer (not accelerate's)")
             from_torch(optimizers[0])
-            on_device = True
+        # The one optimizer takes the skip on the device (an accelerate loop reads step_was_skipped
+        # on the host for its scheduler: that one keeps the host's decision). The loop reads
+        # nothing of the step, so by default the monitor waits only where the optimizer cannot
+        # take the skip (or a scaler's unscale is fused with the statistics).
+        can = len(optimizers) == 1 and not any(accelerated) and device_skip_kind(optimizers[0]) is not None
+        if monitor_kwargs.get("blocking") is None:
+            refused = refused_without_blocking(bool(monitor_kwargs.get("fused_step")), {
+                k: monitor_kwargs.get(k) for k in ("update_ratios", "update_every", "max_update_rms")})
+            monitor_kwargs = {**monitor_kwargs, "blocking": not (can and scaler is None and not refused)}
+        on_device = (monitor_kwargs["blocking"] is False and can) or bool(monitor_kwargs.get("fused_step"))
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused or on_device else None,
                                    **monitor_kwargs)
         self.monitor._call_name = "gradfuse.attach (before optimizer.step())"
@@ -409,7 +417,11 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             ``activations=True`` and ``trace_nonfinite=True`` need ``model`` (their hooks go on
             its modules). ``recorder=True`` (a flight recorder) records the loss of
             ``optimizer.step(closure)`` or of ``handle.loss(loss)`` (and the attached optimizers'
-            updates, with ``FlightRecorder(record_updates=True)``).
+            updates, with ``FlightRecorder(record_updates=True)``). ``blocking``: by default
+            False where the one optimizer takes the skip on the device (a ``gradfuse.optim``
+            optimizer, torch's fused Adam / AdamW, ``fused_step=True``) and no ``scaler`` is
+            given: the host never waits, and the report, warnings and records of a step come
+            at the next ``optimizer.step()`` (``handle.last_report.settled``); else True.
 
     Returns:
         The handle: ``monitor``, ``last_report``, ``state_dict()``, ``detach()``

@@ -61,6 +61,14 @@ def check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps) -> ClipA
     return ClipArgs(max_norm, norm_type, per, clip_value, agc, modes)
 
 
+def refused_without_blocking(fused_step: bool, reads_on_step: dict | None) -> list[str]:
+    """The options of ``reads_on_step`` (``update_ratios``, ``update_every``,
+    ``max_update_rms``: name -> value) that ``blocking=False`` refuses: those set, when they ride
+    the step (``fused_step``): their rows are read on the host once it has run."""
+    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
+    return on if fused_step else []
+
+
 def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, explode_threshold, every: int,
                        sink_ranks, optimizer, scaler, max_update_rms, blocking: bool = True,
                        reads_on_step: dict | None = None, fused_step: bool = False, max_norm=None,
@@ -86,8 +94,8 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
                              "numeric or schedule max_norm, without per= or scaler=")
     if not isinstance(blocking, bool):
         raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
-    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
-    if not blocking and fused_step and on:
+    on = refused_without_blocking(fused_step, reads_on_step)
+    if not blocking and on:
         raise ValueError(f"gradfuse.GradMonitor: blocking=False with fused_step=True does not take {', '.join(on)}: "
                          "riding the step, the update statistics and coefficients are read on the host once it has "
                          "run; use fused_step=False (they take their own pass) or blocking=True")

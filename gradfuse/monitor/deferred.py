@@ -68,7 +68,8 @@ class Pending:
     @classmethod
     def start(cls, plan, report, capture, flags, clipped, snapshot, max_norm_now, *, copy_stats: bool,
               headroom_of=None) -> Pending:
-        """Starts the host copies of a step (``copy_stats``: the record's statistics too;
+        """Starts the host copies of a step (``copy_stats``: the statistics too, which the
+        message of an anomaly and the record read;
         ``headroom_of``: the monitor's source, whose exponent histograms a logging step takes now,
         as the optimizer gets the gradients: when its record is written they are gone)."""
         if copy_stats:

@@ -569,7 +569,7 @@ class GradMonitor:
                                            else None, need_updates=flight.wants_updates(self.recorder))
         snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None, dynamics=self.dynamics)
         self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
-                                      copy_stats=bool(self.sinks) and (plan.log_now or flags is not None),
+                                      copy_stats=flags is not None or (bool(self.sinks) and plan.log_now),
                                       headroom_of=self.source if self.histogram and self.sinks else None)
 
     def _settle(self) -> None:

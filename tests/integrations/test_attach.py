@@ -293,3 +293,42 @@ def test_a_skipped_first_step_counts_as_called_for_the_scheduler():
     assert handle.monitor.skipped_steps == 1 and sched.last_epoch == 1
     handle.detach()
     assert hasattr(opt.step, "_wrapped_by_lr_sched")  # the scheduler's own wrapper is back
+
+
+@pytest.mark.parametrize("kind", ["gradfuse.optim", "torch fused", "torch foreach"])
+def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind, functional_watch):
+    from sync_guard import SyncGuard
+
+    def train(blocking):
+        model = make_model()
+        if kind == "gradfuse.optim":
+            opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=kind == "torch fused")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        handle = gradfuse.attach(opt, model, max_norm=1.0, on_nonfinite="skip",
+                                 **({} if blocking is None else {"blocking": blocking}))
+        guard = SyncGuard(allowed=None, host_copies=True)
+        with pytest.warns(RuntimeWarning, match="gradfuse step 3: optimizer step skipped"), guard:
+            for step, (x, y) in enumerate(batches(8)):
+                loss_of(model, x, y).backward()
+                if step == 3:
+                    model[0].bias.grad[1] = math.nan
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+            handle.detach()
+        return model, opt, handle, guard
+
+    model_b, opt_b, handle_b, _ = train(True)
+    model_d, opt_d, handle_d, guard = train(None)
+    waits = kind == "torch foreach"  # takes no skip on the device: the monitor decides on the host
+    assert handle_d.monitor._defers is not waits
+    assert (guard.reads != []) is waits
+    assert handle_b.monitor.counters() == handle_d.monitor.counters()
+    assert handle_d.monitor.counters()["skipped_steps"] == 1 and handle_d.last_report.settled
+    assert all(torch.equal(a, b) for a, b in zip(model_b.parameters(), model_d.parameters(), strict=True))
+    sb, sd = opt_b.state_dict()["state"], opt_d.state_dict()["state"]
+    assert len(sb) == len(sd) == 4 and all(torch.equal(sb[k][n], sd[k][n]) for k in sb for n in sb[k])
+    assert float(sd[0]["step"]) == 7
+    assert opt_d.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"] == 1e-2 / 16  # the scheduler stepped 8 times
