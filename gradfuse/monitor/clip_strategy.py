@@ -138,6 +138,12 @@ def double_clip_message(call: str, name: str) -> str:
             "scaling), pass check_double_clip=False. (This warning is shown once.)")
 
 
+def with_zclip_coefficient(s: GradStats, zclip: ZClip, skip=None) -> GradStats:
+    """``s`` with the coefficient ``zclip`` takes for its total norm (one step of its state;
+    ``skip``: the step's device skip flag, which leaves the state), nothing scaled."""
+    return s.replace(clip_coef=zclip.clip_coef(s.plain_total_norm, skip=skip), max_norm=None)
+
+
 def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now, skip=None) -> GradStats:
     """Clips the gradients ``s`` was taken of (``named_grads``: their names and tensors) by the
     monitor's configured mode; ``max_norm_now`` is this step's float max_norm or a ZClip
@@ -145,9 +151,9 @@ def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now, skip=None
     Returns ``s`` with what was applied."""
     _names, grads = named_grads
     if isinstance(max_norm_now, ZClip):
-        coef = max_norm_now.clip_coef(s.plain_total_norm, skip=skip)
-        scale_total_(grads, coef, s.plain_total_norm.dtype)
-        return s.replace(clip_coef=coef, max_norm=None)
+        s = with_zclip_coefficient(s, max_norm_now, skip)
+        scale_total_(grads, s.clip_coef, s.plain_total_norm.dtype)
+        return s
     if mode.get("per"):
         if list(s.names) != list(_names):
             # rows follow the grouping; re-order the gradients to match them

@@ -170,7 +170,7 @@ class GradMonitor:
             skipped step left out on the device, the records from host copies (not with
             ``fused_step=True``, whose update rows are read once the step has run).
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
-            parameters) and a numeric (or schedule) ``max_norm`` without ``per``: the clip rides
+            parameters) and a numeric, schedule or ``ZClip`` ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
             the step applies the coefficient as it reads each gradient (its ``grad_scale``), so
             clipping costs no pass of its own. ``p.grad`` then keeps the unclipped gradient (the

@@ -20,11 +20,12 @@ import torch
 
 from gradfuse.clip.schedule import ScheduleError
 from gradfuse.clip.value import clamp_stats_
+from gradfuse.clip.zclip import ZClip
 from gradfuse.core import amp
 from gradfuse.core.engine import with_clip_coefficient
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.watch import GradWatch
-from gradfuse.monitor.clip_strategy import clip_other_modes_
+from gradfuse.monitor.clip_strategy import clip_other_modes_, with_zclip_coefficient
 
 
 @dataclass
@@ -88,9 +89,12 @@ class StepPlan:
         if self.fused_unscale:  # one multiply: unscale, and clip when due
             s = amp.finish_unscale_(m.scaler, m.optimizer, self.grads, s, self.inv_scale,
                                     self.max_norm if clip and self.plain else None)
+        elif clip and self.ride:  # the coefficient only: the optimizer's step applies it
+            s = (with_zclip_coefficient(s, self.max_norm, skip) if isinstance(self.max_norm, ZClip)
+                 else with_clip_coefficient(s, self.max_norm))
         elif clip and self.plain and not self.clip_now:
-            s = with_clip_coefficient(s, self.max_norm) if self.ride else self.watch.clip_to(s, self.max_norm)
-        if clip and not self.plain and not self.value_now:  # the other modes
+            s = self.watch.clip_to(s, self.max_norm)
+        if clip and not self.plain and not self.value_now and not self.ride:  # the other modes
             s = clip_other_modes_(s, self.watch, self.max_norm, per=m.per, layer_depth=m.layer_depth,
                                   clip_value=m.clip_value, agc=m.agc, skip=skip)
         return s
@@ -119,7 +123,7 @@ def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool,
     # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
     rows = bool(log_now and monitor.sinks)
     plain = isinstance(max_norm, float) and monitor.per is None
-    ride = fused_step and plain and not fused_unscale
+    ride = fused_step and (plain or isinstance(max_norm, ZClip)) and not fused_unscale
     # With no policy to apply before clipping, statistics and clip are one call.
     clip_now = not fused_unscale and plain and not needs_flag and not ride
     value_now = (not fused_unscale and monitor.clip_value is not None and not needs_flag

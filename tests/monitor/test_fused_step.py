@@ -29,11 +29,13 @@ def backward(model, x, planted_nan=False):
         model[0].bias.grad[0] = math.nan
 
 
-def train(tmp_path, fused_step, blocking=True, nan_at=None):
+def train(tmp_path, fused_step, blocking=True, nan_at=None, zclip=False):
+    """``zclip``: a ZClip (capped at 0.5) in place of max_norm=0.5."""
     model, xs = model_and_batches()
     opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     log = tmp_path / f"{fused_step}-{blocking}.jsonl"
-    monitor = GradMonitor(model, max_norm=0.5, every=1, sinks=[JsonlSink(log)],
+    max_norm = gradfuse.ZClip(warmup_steps=2, z_thresh=1.0, max_grad_norm=0.5) if zclip else 0.5
+    monitor = GradMonitor(model, max_norm=max_norm, every=1, sinks=[JsonlSink(log)],
                           optimizer=opt if fused_step or not blocking else None,
                           fused_step=fused_step, blocking=blocking)
     grads_after_step = []
@@ -53,10 +55,11 @@ def train(tmp_path, fused_step, blocking=True, nan_at=None):
     return model, opt, monitor, [json.loads(line) for line in log.read_text().splitlines()], grads_after_step
 
 
+@pytest.mark.parametrize("zclip", [False, True], ids=["max_norm", "ZClip"])
 @pytest.mark.parametrize("blocking, nan_at", [(True, None), (True, 3), (False, 3)])
-def test_the_clip_in_the_step_is_the_clip_before_it(tmp_path, blocking, nan_at):
-    m0, o0, mon0, rec0, _ = train(tmp_path, False, blocking, nan_at)
-    m1, o1, mon1, rec1, grads = train(tmp_path, True, blocking, nan_at)
+def test_the_clip_in_the_step_is_the_clip_before_it(tmp_path, blocking, nan_at, zclip):
+    m0, o0, mon0, rec0, _ = train(tmp_path, False, blocking, nan_at, zclip)
+    m1, o1, mon1, rec1, grads = train(tmp_path, True, blocking, nan_at, zclip)
     assert mon0.counters()["clipped_steps"] == mon1.counters()["clipped_steps"] >= 4  # there was clipping
     for a, b in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(a, b)
@@ -93,8 +96,7 @@ def test_attach_adopts_the_torch_optimizer(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="torch"), "needs optimizer= a gradfuse.optim optimizer"),
-    (dict(max_norm=None), "numeric or schedule max_norm"),
-    (dict(max_norm=gradfuse.ZClip()), "numeric or schedule max_norm"),
+    (dict(max_norm=None), "numeric, schedule or ZClip max_norm"),
     (dict(per="layer"), "without per="),
 ])
 def test_what_fused_step_refuses(kwargs, match):

@@ -37,7 +37,6 @@ FUSED_REFUSED = {"per layer": "fused_step=True rides the clip by the total norm"
                  "per param": "fused_step=True rides the clip by the total norm",
                  "clip_value": "fused_step=True rides the clip by the total norm",
                  "agc": "fused_step=True rides the clip by the total norm",
-                 "ZClip": "fused_step=True rides the clip by the total norm",
                  "update_ratios": "blocking=False with fused_step=True does not take update_ratios, update_every",
                  "max_update_rms": "blocking=False with fused_step=True does not take update_ratios, max_update_rms",
                  "recorded updates": "blocking=False with fused_step=True does not take update_ratios",
