@@ -304,8 +304,9 @@ class GradMonitor:
                                      names_by_param=self._names_by_param, layer_depth=layer_depth,
                                      update_every=update_every, max_update_rms=max_update_rms,
                                      fused_optimizer=optimizer if fused_step else None)
+        # the ring is made on the first step, on the gradients' device
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
-                         self.dynamics, optimizer)  # the ring is made on the first step, on the gradients' device
+                         self.dynamics, optimizer, fused_step)
         # blocking=False: the skip handed to the optimizer's step, and the step not yet settled;
         # fused_step=True: the clip coefficient handed to it
         hook = device_skip_for(self, optimizer) if not blocking else None

@@ -43,11 +43,21 @@ def trigger_of(report) -> dict | None:
 
 
 def configure(recorder: FlightRecorder | None, names: list[str], names_by_param: dict, layer_depth: int | None,
-              norm_type: float, dynamics, optimizer) -> None:
+              norm_type: float, dynamics, optimizer, fused_step: bool = False) -> None:
     """``recorder.configure`` for a monitor (nothing without a recorder): its optimizers are
-    those of its ``update_ratios`` (``dynamics``), else its AMP ``optimizer``."""
+    those of its ``update_ratios`` (``dynamics``), else its AMP ``optimizer``.
+
+    Raises:
+        ValueError: ``record_updates`` with ``fused_step`` whose update statistics do not ride
+            the step (no ``update_ratios`` of its optimizer).
+    """
     if recorder is None:
         return
+    if fused_step and recorder.record_updates and not (dynamics is not None and dynamics.rides_step):
+        raise ValueError("gradfuse.GradMonitor: FlightRecorder(record_updates=True) with fused_step=True needs "
+                         "update_ratios=optimizer: the clip rides the step, so p.grad keeps the unclipped gradient "
+                         "and the update applied is known from the step's own statistics, which update_ratios "
+                         "takes")
     ratios = None if dynamics is None else dynamics.update_ratios
     recorder.configure(names, names_by_param, layer_depth, norm_type,
                        ratios.optimizers if ratios is not None else [optimizer])

@@ -98,6 +98,7 @@ def test_attach_adopts_the_torch_optimizer(tmp_path):
     (dict(optimizer="torch"), "needs optimizer= a gradfuse.optim optimizer"),
     (dict(max_norm=None), "numeric, schedule or ZClip max_norm"),
     (dict(per="layer"), "without per="),
+    (dict(recorder=gradfuse.FlightRecorder(record_updates=True)), r"record_updates=True\) with fused_step=True needs"),
 ])
 def test_what_fused_step_refuses(kwargs, match):
     model, _ = model_and_batches()
