@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from gradfuse.monitor.arguments import refused_without_blocking
 from gradfuse.monitor.device_skip import device_skip_kind
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.optim import from_torch
@@ -207,9 +206,7 @@ class Attachment:
         # take the skip (or a scaler's unscale is fused with the statistics).
         can = len(optimizers) == 1 and not any(accelerated) and device_skip_kind(optimizers[0]) is not None
         if monitor_kwargs.get("blocking") is None:
-            refused = refused_without_blocking(bool(monitor_kwargs.get("fused_step")), {
-                k: monitor_kwargs.get(k) for k in ("update_ratios", "update_every", "max_update_rms")})
-            monitor_kwargs = {**monitor_kwargs, "blocking": not (can and scaler is None and not refused)}
+            monitor_kwargs = {**monitor_kwargs, "blocking": not (can and scaler is None)}
         on_device = (monitor_kwargs["blocking"] is False and can) or bool(monitor_kwargs.get("fused_step"))
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused or on_device else None,
                                    **monitor_kwargs)

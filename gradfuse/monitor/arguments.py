@@ -61,27 +61,16 @@ def check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps) -> ClipA
     return ClipArgs(max_norm, norm_type, per, clip_value, agc, modes)
 
 
-def refused_without_blocking(fused_step: bool, reads_on_step: dict | None) -> list[str]:
-    """The options of ``reads_on_step`` (``update_ratios``, ``update_every``,
-    ``max_update_rms``: name -> value) that ``blocking=False`` refuses: those set, when they ride
-    the step (``fused_step``): their rows are read on the host once it has run."""
-    on = [name for name, value in (reads_on_step or {}).items() if value is not None and value is not False]
-    return on if fused_step else []
-
-
 def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, explode_threshold, every: int,
                        sink_ranks, optimizer, scaler, max_update_rms, blocking: bool = True,
-                       reads_on_step: dict | None = None, fused_step: bool = False, max_norm=None,
-                       per=None) -> None:
+                       fused_step: bool = False, max_norm=None, per=None) -> None:
     """The policy, logging and AMP arguments of ``GradMonitor``, checked.
 
     Raises:
         ValueError: ``on_nonfinite`` / ``on_explode`` / ``on_spike`` not one of the policies;
             ``explode_threshold`` not > 0; ``every`` < 0; ``sink_ranks`` neither a rank number
             nor ``"all"``; ``optimizer`` without ``scaler``, ``max_update_rms`` or
-            ``blocking=False``; ``blocking=False`` with ``fused_step`` and ``update_ratios`` /
-            ``update_every`` / ``max_update_rms`` (``reads_on_step``: those options, which
-            read the host on the step when they ride it); ``fused_step`` without a
+            ``blocking=False``; ``fused_step`` without a
             ``gradfuse.optim`` optimizer, with a ``max_norm`` that is not a number or a
             schedule or a ``ZClip``, with ``per``, or with ``scaler``.
     """
@@ -94,11 +83,6 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
                              "numeric, schedule or ZClip max_norm, without per= or scaler=")
     if not isinstance(blocking, bool):
         raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
-    on = refused_without_blocking(fused_step, reads_on_step)
-    if not blocking and on:
-        raise ValueError(f"gradfuse.GradMonitor: blocking=False with fused_step=True does not take {', '.join(on)}: "
-                         "riding the step, the update statistics and coefficients are read on the host once it has "
-                         "run; use fused_step=False (they take their own pass) or blocking=True")
     check_policy("on_nonfinite", on_nonfinite)
     check_policy("on_explode", on_explode)
     check_policy("on_spike", on_spike, SPIKE_POLICIES)

@@ -23,13 +23,23 @@ from gradfuse.monitor.record import HeadroomTake
 from gradfuse.utils import warn
 
 
-def device_skip_for(monitor, optimizer) -> StepHandoff | None:
+def step_handoff(monitor, optimizer, *, blocking: bool, fused_step: bool) -> tuple[StepHandoff, bool]:
+    """The ``StepHandoff`` of ``monitor``'s optimizer steps (with the update clipping of its
+    ``dynamics`` when that rides the step), and whether the monitor defers its steps
+    (``blocking=False``, unless it must block: ``device_skip_for``)."""
+    rides = monitor.dynamics is not None and monitor.dynamics.rides_step
+    update_clip = monitor.dynamics.update_clip if rides else None
+    hook = None if blocking else device_skip_for(monitor, optimizer, update_clip)
+    return hook or StepHandoff([optimizer] if fused_step else [], update_clip), hook is not None
+
+
+def device_skip_for(monitor, optimizer, update_clip=None) -> StepHandoff | None:
     """The ``StepHandoff`` of a ``blocking=False`` monitor, or None when it must block: a policy
     can skip (or raise) and ``optimizer`` cannot take a skip on the device (warned once, with
     what would avoid it)."""
     can_skip = skip_bits(monitor.on_nonfinite, monitor.on_explode, monitor.on_spike, amp_active=False) != 0
     if optimizer is not None and device_skip_kind(optimizer) is not None:
-        return StepHandoff([optimizer])
+        return StepHandoff([optimizer], update_clip)
     if not can_skip:
         return StepHandoff([])
     what = "no optimizer=" if optimizer is None else f"a {type(optimizer).__qualname__}"
@@ -83,6 +93,13 @@ class Pending:
         report.settled = False
         return cls(plan, report, capture, snapshot, HostCopy([flags, clipped, logged if isinstance(
             logged, torch.Tensor) else None]), max_norm=None if isinstance(logged, torch.Tensor) else logged)
+
+    def rows_taken(self, step_rows, dynamics, skip, commit) -> None:
+        """After the ``gradfuse.optim`` step whose rows are the step's update statistics (None:
+        it did not step): they go to ``dynamics``, then the flight recorder's row is written
+        (``commit`` returns its snapshot)."""
+        dynamics.take_deferred_rows(self.report, step_rows, skip)
+        self.snapshot = commit()
 
     def settled(self, dynamics) -> None:
         """Once the policies have decided the step: tells what counted it on the host before its

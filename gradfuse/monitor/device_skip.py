@@ -128,6 +128,8 @@ class StepHandoff:
             got = optimizer.last_update_coefs
             coefs = (torch.cat([c.coefs.to(got[0].coefs.device) for c in got]) if got
                      else torch.zeros(0, dtype=torch.float64))
+            if self._flag is not None:  # a step skipped on the device rescaled nothing
+                coefs = torch.where(self._flag.to(coefs.device), 1.0, coefs)
             self._update_clip.count(coefs, [p for c in got for p in c.params])
         if self._after is not None and isinstance(optimizer, FusedStep):
             callback, self._after = self._after, None

@@ -82,9 +82,9 @@ class Dynamics:
         # update) sets this before the step it will log.
         self.capture_next = False
         self._captured: tuple[int, dict] | None = None
-        # blocking=False: (step, offered a pair, HostCopy of the estimates and of the updates
-        # rescaled), and the rescaled updates of the steps settled
-        self._deferred: tuple | None = None
+        # blocking=False: the latest step's number, whether it offered a pair, the host copies of
+        # the estimates and of the updates rescaled; and the rescaled updates of the steps settled
+        self._deferred: dict | None = None
         self._settled_clips: dict[str, int] | None = None
 
     def micro_step(self, watch) -> None:
@@ -124,7 +124,8 @@ class Dynamics:
         report.updates = got
         return False
 
-    def on_deferred_step(self, report, skip, log_now: bool, loss_scale=None, need_updates: bool = False) -> None:
+    def on_deferred_step(self, report, skip, log_now: bool, loss_scale=None, need_updates: bool = False,
+                         from_step: bool = False) -> bool:
         """``on_step`` of a ``blocking=False`` step, whose skip the host has not read: ``skip``
         is its 0-d device flag (None: never skipped), and with AMP (``loss_scale``) a non-finite
         step is the scaler's to skip. The noise scale averages in the step's pair unless it is
@@ -132,59 +133,78 @@ class Dynamics:
         is skipped, their per-layer table copied now (``need_updates``: on every step, for the
         flight recorder); ``max_update_rms`` gets coefficients of 1 where the step is skipped
         (its hooks then rescale nothing). The estimates and the count of rescaled updates are
-        copied now too; ``settle`` finishes the step when the host has read its skip."""
+        copied now too; ``settle`` finishes the step when the host has read its skip.
+        ``from_step``: the ``gradfuse.optim`` step takes the update statistics: returns whether
+        this step wants them, for ``take_deferred_rows`` after the step."""
         s = report.stats
         held = skip
         if loss_scale is not None and s is not None:  # an overflow: GradScaler does not step
             held = s.nonfinite if held is None else held | s.nonfinite
-        ns, offered, clipped = self.noise_scale, False, None
+        ns, offered = self.noise_scale, False
         if ns is not None:
             if s is None or not len(s):
                 ns.skip_step()
             else:
                 offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=held)
+        if self.update_clip is not None and self._settled_clips is None:
+            self._settled_clips = {"update_clipped_params": 0, "update_clipped_steps": 0}
+        self._deferred = {"step": report.step, "offered": offered, "clipped": None,
+                          "estimates": HostCopy([None if ns is None else ns.packed_values()])}
         capture, self.capture_next = log_now or self.capture_next, False
         every = self.update_every is not None and report.step % self.update_every == 0
         ur, clip = self.update_ratios, self.update_clip
-        if ur is not None and (capture or every or need_updates or clip is not None):
-            got = ur.capture(applied=True if held is None else ~held)
-            if got is not None and clip is not None:
-                coefs = clip.coefs(got["rows"])
-                got = _with_coefs(got, clip.prepare(got["rows"], coefs if held is None
-                                                    else torch.where(held, 1.0, coefs)))
-                clipped = (got["coefs"] < 1).sum()
-            if got is not None:
-                ur.start_host_copy(got)
-            self._captured = None if got is None else (report.step, got)
-            report.updates = got
-        if clip is not None and self._settled_clips is None:
-            self._settled_clips = {"update_clipped_params": 0, "update_clipped_steps": 0}
-        self._deferred = (report.step, offered, HostCopy([None if ns is None else ns.packed_values(), clipped]))
+        if ur is None or not (capture or every or need_updates or clip is not None):
+            return False
+        if from_step:
+            return True
+        got = ur.capture(applied=True if held is None else ~held)
+        if got is not None and clip is not None:
+            coefs = clip.coefs(got["rows"])
+            got = _with_coefs(got, clip.prepare(got["rows"], coefs if held is None else torch.where(held, 1.0, coefs)))
+        self._deferred_take(report, got)
+        return False
+
+    def take_deferred_rows(self, report, step_rows, skip) -> None:
+        """``take_step_rows`` for a ``blocking=False`` step (``on_deferred_step`` said it wants
+        them): the rows its ``gradfuse.optim`` step took (None: it did not step), zero where
+        ``skip`` (its device flag) skipped it, their table and count of rescaled updates copied."""
+        if step_rows is not None:
+            self.take_step_rows(report, step_rows, applied=True if skip is None else ~skip)
+            self._deferred_take(report, report.updates)
+
+    def _deferred_take(self, report, got) -> None:
+        if got is not None:
+            self.update_ratios.start_host_copy(got)
+            if "coefs" in got:
+                self._deferred["clipped"] = HostCopy([(got["coefs"] < 1).sum()])
+        self._captured = None if got is None else (report.step, got)
+        report.updates = got
 
     def settle(self, report) -> None:
         """A ``blocking=False`` step, decided: a skipped step's pair (or an AMP overflow's) was
         not averaged in, so it does not count in ``NoiseScale.updates`` either (as with
         ``on_step``); its update statistics say it applied nothing; the updates it rescaled
         are counted."""
-        step, offered, copy = self._deferred or (None, False, None)
-        if step != report.step:
+        deferred = self._deferred
+        if deferred is None or deferred["step"] != report.step:
             return
         skipped = report.skip or "amp_overflow" in report.anomalies
-        if offered and skipped:
+        if deferred["offered"] and skipped:
             self.noise_scale.updates -= 1
         if self._captured is not None and self._captured[0] == report.step:
             self._captured[1]["applied"] = not skipped
             if skipped:  # nothing rescaled: the record says nothing of the update clipping (as on_step)
                 self._captured[1].pop("coefs", None)
-        clipped = copy.get()[1]
-        if clipped is not None:
+        if deferred["clipped"] is not None:
+            [clipped] = deferred["clipped"].get()
             self._settled_clips["update_clipped_params"] += int(clipped)
             self._settled_clips["update_clipped_steps"] += int(clipped) > 0
 
-    def take_step_rows(self, report, step_rows: list) -> None:
+    def take_step_rows(self, report, step_rows: list, applied=True) -> None:
         """The update statistics of ``report``'s step from the rows its ``gradfuse.optim`` step took
-        (``optimizer.last_rows``), into ``report.updates``: what ``on_step`` would have taken."""
-        got = self.update_ratios.from_step(step_rows)
+        (``optimizer.last_rows``), into ``report.updates``: what ``on_step`` would have taken
+        (``applied``: a device flag where the host has not read the skip)."""
+        got = self.update_ratios.from_step(step_rows, applied)
         clip = self.update_clip
         if got is not None and clip is not None:  # the step's coefficients, then those of the rows it left alone
             rows, n = got["rows"], got["planned"]
@@ -213,11 +233,10 @@ class Dynamics:
         ``weight_nonfinite``) and with ``max_update_rms`` ``update_clipped`` (the parameters whose
         update is rescaled at this step), or ``update_ratio_unavailable`` (why not)."""
         out = {}
-        step, _offered, copy = self._deferred or (None, False, None)
-        host = copy.get() if step == report.step else None  # a blocking=False step's: its copies
-        if self.noise_scale is not None:
-            out["noise_scale"] = (self.noise_scale.host_values() if host is None
-                                  else None if host[0] is None else values_of_packed(host[0]))
+        deferred = self._deferred if self._deferred is not None and self._deferred["step"] == report.step else None
+        if self.noise_scale is not None:  # a blocking=False step's: from the copy its step took
+            [packed] = [self.noise_scale.packed_values()] if deferred is None else deferred["estimates"].get()
+            out["noise_scale"] = None if packed is None else values_of_packed(packed)
         ur = self.update_ratios
         if ur is not None:
             if ur.unavailable:
@@ -226,7 +245,8 @@ class Dynamics:
                 got = self._captured[1]
                 out.update(ur.layers(got))
                 if "coefs" in got:
-                    out["update_clipped"] = int((got["coefs"] < 1).sum() if host is None else host[1])
+                    clipped = deferred["clipped"].get()[0] if deferred is not None else (got["coefs"] < 1).sum()
+                    out["update_clipped"] = int(clipped)
         return out
 
     def counters(self) -> dict[str, int]:

@@ -20,6 +20,8 @@ Layer: monitor. Imports the capabilities and the core, and the monitor's own par
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -30,8 +32,7 @@ from gradfuse.monitor.activation_hooks import MonitorHooks
 from gradfuse.monitor.arguments import check_clip_args, check_monitor_args
 from gradfuse.monitor.checkpoint import COUNTERS, monitor_state, restore_state
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, max_norm_of_step
-from gradfuse.monitor.deferred import Pending, device_skip_flag, device_skip_for
-from gradfuse.monitor.device_skip import StepHandoff
+from gradfuse.monitor.deferred import Pending, device_skip_flag, step_handoff
 from gradfuse.monitor.dynamics import Dynamics
 from gradfuse.monitor.policies import Decision, anomaly_flags, decide
 from gradfuse.monitor.record import run_config, step_record, writing_rank
@@ -167,8 +168,8 @@ class GradMonitor:
             of a step that did not log); ``activations`` / ``trace_nonfinite``: the rows and
             NaN counts copied at the step, the record and the first non-finite module from the
             copy; ``noise_scale``, ``update_ratios``, ``update_every``, ``max_update_rms``: a
-            skipped step left out on the device, the records from host copies (not with
-            ``fused_step=True``, whose update rows are read once the step has run).
+            skipped step left out on the device, the records from host copies (with
+            ``fused_step=True``, of the step's own rows, copied after it).
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
             parameters) and a numeric, schedule or ``ZClip`` ``max_norm`` without ``per``: the clip rides
             the optimizer's fused step. The monitor takes the statistics and the coefficient, and
@@ -268,8 +269,6 @@ class GradMonitor:
         check_monitor_args(on_nonfinite=on_nonfinite, on_explode=on_explode, on_spike=on_spike,
                            explode_threshold=explode_threshold, every=every, sink_ranks=sink_ranks,
                            optimizer=optimizer, scaler=scaler, max_update_rms=max_update_rms, blocking=blocking,
-                           reads_on_step=dict(update_ratios=update_ratios, update_every=update_every,
-                                              max_update_rms=max_update_rms),
                            fused_step=fused_step, max_norm=max_norm, per=per)
         clip = check_clip_args(max_norm, norm_type, per, clip_value, agc, agc_eps)
         self.max_norm, self.norm_type, self.per, self.clip_value, self.agc = clip[:5]
@@ -308,13 +307,10 @@ class GradMonitor:
         flight.configure(self.recorder, self._watch.names, self._names_by_param, layer_depth, self.norm_type,
                          self.dynamics, optimizer, fused_step)
         # blocking=False: the skip handed to the optimizer's step, and the step not yet settled;
-        # fused_step=True: the clip coefficient handed to it
-        hook = device_skip_for(self, optimizer) if not blocking else None
-        self._defers, self.fused_step = hook is not None, fused_step
-        # fused_step: the step takes the update statistics too, and applies max_update_rms itself
-        self._rides_updates = self.dynamics is not None and self.dynamics.rides_step
-        self._step_hook = hook or StepHandoff([optimizer] if fused_step else [],
-                                              self.dynamics.update_clip if self._rides_updates else None)
+        # fused_step=True: the clip coefficient handed to it, and the step takes the update
+        # statistics too, and applies max_update_rms itself
+        self._step_hook, self._defers = step_handoff(self, optimizer, blocking=blocking, fused_step=fused_step)
+        self.fused_step, self._rides_updates = fused_step, self.dynamics is not None and self.dynamics.rides_step
         self._pending: Pending | None = None
         self._act_hooks = None
         if activations or trace_nonfinite:
@@ -565,13 +561,18 @@ class GradMonitor:
         flags = self._flags(s) if self._needs_flag() and len(s) else None
         skip = device_skip_flag(flags, self, bad_max_norm=plan.bad_max_norm is not None)
         clipped = self._clip(plan, report, skip)
-        if self.dynamics is not None:
-            self.dynamics.on_deferred_step(report, skip, plan.log_now, self.scaler._scale if self._amp_active()
-                                           else None, need_updates=flight.wants_updates(self.recorder))
-        snapshot = flight.commit_deferred(self.recorder, report, skip, keep=flags is not None, dynamics=self.dynamics)
-        self._pending = Pending.start(plan, report, capture, flags, clipped, snapshot, self._max_norm_now,
+        rows_later = self.dynamics is not None and self.dynamics.on_deferred_step(
+            report, skip, plan.log_now, self.scaler._scale if self._amp_active() else None,
+            need_updates=flight.wants_updates(self.recorder), from_step=self._rides_updates)
+        commit = functools.partial(flight.commit_deferred, self.recorder, report, skip, keep=flags is not None,
+                                   dynamics=self.dynamics)
+        self._pending = Pending.start(plan, report, capture, flags, clipped, None if rows_later else commit(),
+                                      self._max_norm_now,
                                       copy_stats=flags is not None or (bool(self.sinks) and plan.log_now),
                                       headroom_of=self.source if self.histogram and self.sinks else None)
+        if rows_later:  # the update statistics ride the step: its rows, then the recorder's row
+            pending = self._pending
+            self._step_hook.after_step(lambda rows: pending.rows_taken(rows, self.dynamics, skip, commit))
 
     def _settle(self) -> None:
         """``blocking=False``: the previous step, acted on from its host copies: its decision

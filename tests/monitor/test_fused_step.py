@@ -306,7 +306,7 @@ def test_attach_rides_max_update_rms(monkeypatch):
                 model(x).square().sum().mul(10.0).backward()
                 opt.step()
                 opt.zero_grad()
-            counters = h.monitor.counters()
+        counters = h.monitor.counters()  # detached: the last step settled (the ride never waits)
         return model, counters, dict(calls.calls)
 
     m0, n0, calls0 = run(False)

@@ -157,7 +157,10 @@ def assert_same_records(rec_b, rec_n, histogram=False, fused_step=False):
     """The blocking and the non-blocking run's records are the same, in step order (dump paths by
     their file name). With ``histogram``: a logging step's gradient exponents are taken at the
     step, so the record close() writes has none under blocking=False, and a skipped step's are
-    of its gradients clipped on the device (unless the clip rides the step: ``fused_step``)."""
+    of its gradients clipped on the device (unless the clip rides the step: ``fused_step``).
+    With ``fused_step`` the update statistics of a step skipped on the device are the step's own
+    rows, whose weight norms are within float32 rounding of the separate pass that
+    ``blocking=True`` takes for a step it does not take."""
     skipped = {NAN_AT, EXPLODE_AT}
     assert [r["step"] for r in rec_b] == [r["step"] for r in rec_n] and skipped < {r["step"] for r in rec_b}
     for a, b in zip(rec_b, rec_n, strict=True):
@@ -169,6 +172,9 @@ def assert_same_records(rec_b, rec_n, histogram=False, fused_step=False):
             a.pop("exponents"), a.pop("headroom")
         elif histogram:
             assert "exponents" in b and sum(sum(e["counts"]) for e in a["exponents"].values()) > 0
+        if fused_step and a["step"] in skipped and "weight_norm" in a:
+            wa, wb = a.pop("weight_norm"), b.pop("weight_norm")
+            assert wa.keys() == wb.keys() and all(wa[k] == pytest.approx(wb[k], rel=1e-6) for k in wa)
         if histogram and a["step"] in skipped and not fused_step:
             assert a["exponents"] != b["exponents"]
             for r in (a, b):
@@ -359,16 +365,6 @@ def test_an_optimizer_without_a_device_skip_blocks_and_says_so():
         warnings.simplefilter("error")
         quiet = GradMonitor(model, on_nonfinite="warn", blocking=False)
     assert not quiet.step().settled
-
-
-@pytest.mark.parametrize("option", [dict(max_update_rms=0.1), dict(update_ratios=True),
-                                    dict(update_every=1, update_ratios=True)])
-def test_update_options_riding_the_step_are_refused(option):
-    model = nn.Linear(4, 3)
-    opt = gradfuse.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="blocking=False with fused_step=True does not take"):
-        GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, fused_step=True, **option)
-    GradMonitor(model, optimizer=opt, blocking=False, max_norm=1.0, **option).close()  # their own pass
 
 
 def test_attach_hands_the_skip_to_the_optimizers_step():

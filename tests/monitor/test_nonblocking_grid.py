@@ -30,16 +30,15 @@ OPTIONS = {
     "recorded updates": dict(update_ratios="opt", record_updates=True),
     "all": dict(per="layer", histogram=True, activations=True, trace_nonfinite=True, forward_nan=True,
                 noise_scale=True, update_ratios="opt", update_every=3, max_update_rms=4e-4, record_updates=True),
+    "all that rides": dict(histogram=True, activations=True, trace_nonfinite=True, forward_nan=True,
+                           noise_scale=True, update_ratios="opt", update_every=3, max_update_rms=4e-4,
+                           record_updates=True),
 }
-# Riding the step takes one coefficient for every tensor, applied by the step; the update
-# statistics and coefficients that ride it are read once it has run.
+# Riding the step takes one coefficient for all the tensors, applied by the step as it reads them.
 FUSED_REFUSED = {"per layer": "fused_step=True rides the clip by the total norm",
                  "per param": "fused_step=True rides the clip by the total norm",
                  "clip_value": "fused_step=True rides the clip by the total norm",
                  "agc": "fused_step=True rides the clip by the total norm",
-                 "update_ratios": "blocking=False with fused_step=True does not take update_ratios, update_every",
-                 "max_update_rms": "blocking=False with fused_step=True does not take update_ratios, max_update_rms",
-                 "recorded updates": "blocking=False with fused_step=True does not take update_ratios",
                  "all": "fused_step=True rides the clip by the total norm"}
 
 
