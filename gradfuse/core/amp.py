@@ -87,21 +87,31 @@ def unscaled_stats(names, grads, scaler, norm_type: float) -> tuple[GradStats, t
     return s.replace(floats=floats, total_norm=total), inv
 
 
+def unscale_coefficient(inv_scale: torch.Tensor, clip_coef: torch.Tensor | None) -> torch.Tensor:
+    """The one factor that unscales the gradients (and clips them, with ``clip_coef``): float32,
+    as torch unscales."""
+    coef = inv_scale.float()
+    return coef if clip_coef is None else coef * clip_coef.float()
+
+
 def finish_unscale_(scaler, optimizer, grads, s: GradStats, inv_scale: torch.Tensor,
-                    max_norm: float | None) -> GradStats:
+                    max_norm: float | None, apply: bool = True) -> GradStats:
     """Multiplies ``grads`` once by inv_scale (times the clip coefficient when ``max_norm`` is
-    set) and records the unscale in the scaler. Returns ``s`` with ``clip_coef`` when clipping."""
+    set) and records the unscale in the scaler. Returns ``s`` with ``clip_coef`` when clipping.
+    ``apply=False``: records it and multiplies nothing (the optimizer's step applies
+    ``unscale_coefficient`` as it reads the gradients)."""
     from torch.amp.grad_scaler import OptState
     state = _optimizer_state(scaler, optimizer)
-    coef = inv_scale.float()
+    clip_coef = None
     if max_norm is not None:
         clip_coef = clip_coefficient(s.total_norm, max_norm)
-        coef = coef * clip_coef.float()
         s = s.replace(clip_coef=clip_coef, max_norm=max_norm)
+    coef = unscale_coefficient(inv_scale, clip_coef)
     found_inf = s.nonfinite.to(torch.float32)
     per_device = {}
     for (device, _dtype), idx in grouping.groups(grads).items():
-        ops.multi_tensor_scale_([grads[i] for i in idx], coef.to(device), conditional=False)
+        if apply:
+            ops.multi_tensor_scale_([grads[i] for i in idx], coef.to(device), conditional=False)
         per_device.setdefault(device, found_inf.to(device))
     state["found_inf_per_device"] = per_device
     state["stage"] = OptState.UNSCALED

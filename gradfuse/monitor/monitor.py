@@ -539,7 +539,7 @@ class GradMonitor:
         clip = ((plan.max_norm is not None or self.clip_value is not None or self.agc is not None)
                 and not report.skip and "amp_overflow" not in report.anomalies)
         s = plan.clip(report.stats, clip, skip)
-        self._step_hook.arm(skip, s.clip_coef if clip and plan.ride else None)  # what the step takes on the device
+        self._step_hook.arm(skip, plan.step_scale(s, clip))  # what the step takes on the device
         if clip and s.clipped is not None:
             clipped = s.clipped if s.clipped.dim() == 0 else s.clipped.any()
             report.stats = s

@@ -65,6 +65,16 @@ class StepPlan:
             return clamp_stats_(names, grads, m.clip_value)
         return self.watch.stats(rows=self.rows)
 
+    def step_scale(self, s: GradStats, clip: bool) -> torch.Tensor | None:
+        """The 0-d scale the optimizer's step applies as it reads the gradients when the clip
+        rides it (None: none): the clip coefficient, times the inverse loss scale on the fused
+        AMP path (``s``: the statistics ``clip`` returned)."""
+        if not self.ride:
+            return None
+        if self.fused_unscale:
+            return amp.unscale_coefficient(self.inv_scale, s.clip_coef if clip else None)
+        return s.clip_coef if clip else None
+
     def leave_unscaled(self, s: GradStats) -> None:
         """On the fused AMP path, unscales without clipping (a step that raises leaves the
         gradients in true units, for inspection); else nothing."""
@@ -86,10 +96,10 @@ class StepPlan:
             The statistics, with the clip's ``clip_coef`` and ``clipped`` when it clipped.
         """
         m = self.monitor
-        if self.fused_unscale:  # one multiply: unscale, and clip when due
+        if self.fused_unscale:  # one multiply: unscale, and clip when due (riding: the step's)
             s = amp.finish_unscale_(m.scaler, m.optimizer, self.grads, s, self.inv_scale,
-                                    self.max_norm if clip and self.plain else None)
-        elif clip and self.ride:  # the coefficient only: the optimizer's step applies it
+                                    self.max_norm if clip and self.plain else None, apply=not self.ride)
+        elif clip and self.ride:  # the coefficient only: the optimizer's step applies it (step_scale)
             s = (with_zclip_coefficient(s, self.max_norm, skip) if isinstance(self.max_norm, ZClip)
                  else with_clip_coefficient(s, self.max_norm))
         elif clip and self.plain and not self.clip_now:
@@ -123,7 +133,7 @@ def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool,
     # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
     rows = bool(log_now and monitor.sinks)
     plain = isinstance(max_norm, float) and monitor.per is None
-    ride = fused_step and (plain or isinstance(max_norm, ZClip)) and not fused_unscale
+    ride = fused_step and (plain or (isinstance(max_norm, ZClip) and not fused_unscale))
     # With no policy to apply before clipping, statistics and clip are one call.
     clip_now = not fused_unscale and plain and not needs_flag and not ride
     value_now = (not fused_unscale and monitor.clip_value is not None and not needs_flag

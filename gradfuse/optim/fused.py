@@ -279,6 +279,22 @@ def _whole(rows: tuple[torch.Tensor, torch.Tensor], lists: _Lists) -> tuple[torc
     return distributed.sum_sharded_rows(*rows, lists.layout)
 
 
+def with_amp_scaling(optimizer, grad_scale: torch.Tensor | None, skip: torch.Tensor | None):
+    """The step's ``grad_scale`` and ``skip`` with what a ``GradScaler`` handed ``optimizer``
+    (``scaler.step(optimizer)`` sets ``optimizer.grad_scale``, its scale while the gradients are
+    still scaled, and ``optimizer.found_inf`` for an optimizer with ``_step_supports_amp_scaling``):
+    the gradients are unscaled as the step reads them, by the inverse scale ``unscale_`` would
+    multiply them by, and a step with an Inf / NaN is skipped on the device. No host read."""
+    scale, found_inf = optimizer.__dict__.get("grad_scale"), optimizer.__dict__.get("found_inf")
+    if scale is not None:
+        inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s inverse scale
+        grad_scale = inv if grad_scale is None else grad_scale * inv.to(grad_scale.device)
+    if found_inf is not None:
+        flag = found_inf.reshape(()) != 0
+        skip = flag if skip is None else skip.reshape(()).to(flag.device).bool() | flag
+    return grad_scale, skip
+
+
 def settle_skip(optimizer) -> None:
     """Applies the skip flag of ``optimizer``'s latest step to what the host changed for it: when
     the flag said skip, the step counters go back and the state a first step made is removed, so

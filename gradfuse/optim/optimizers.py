@@ -17,6 +17,7 @@ from gradfuse.optim.fused import (
     fused_step,
     refuse_unsupported,
     settle_skip,
+    with_amp_scaling,
 )
 
 
@@ -24,7 +25,11 @@ class FusedStep:
     """What the three optimizers add to torch's: ``step`` as one fused pass per (device, dtype),
     with optional extras inside it. Mixed in before the torch class, so ``isinstance``, the LR
     schedulers, ``param_groups``, ``add_param_group``, the step hooks, ``zero_grad`` and
-    ``state_dict`` are torch's own."""
+    ``state_dict`` are torch's own. A ``GradScaler`` hands the step its scale and its found-Inf
+    flag, as it does torch's fused Adam (``_step_supports_amp_scaling``): ``scaler.step(optimizer)``
+    then unscales inside the step and skips an overflow on the device, with no host read."""
+
+    _step_supports_amp_scaling = True
 
     @property
     def last_rows(self) -> list[StepRows]:
@@ -107,6 +112,7 @@ class FusedStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale, skip = with_amp_scaling(self, grad_scale, skip)
         limit = check_max_update_rms(f"gradfuse.optim.{type(self).__name__}", max_update_rms)
         self._step_rows, self._step_coefs = fused_step(self, grad_scale=grad_scale, skip=skip,
                                                        max_update_rms=limit, stats=stats)

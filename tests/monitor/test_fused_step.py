@@ -2,6 +2,7 @@
 grad_scale), so clipping costs no pass of its own. Against clipping first: the same weights,
 state, records and counters, bit for bit; p.grad keeps the unclipped gradient. The update
 statistics ride the step's rows, and max_update_rms the step's own update clipping."""
+import contextlib
 import json
 import math
 import warnings
@@ -316,3 +317,73 @@ def test_attach_rides_max_update_rms(monkeypatch):
     assert n0 == n1 and n1["update_clipped_params"] >= 3 and n1["update_clipped_steps"] < 6
     for a, b in zip(m0.parameters(), m1.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_amp_rides_the_step_unscaled_as_it_reads_the_gradients(tmp_path, blocking, functional_watch, monkeypatch):
+    """GradScaler with a gradfuse.optim optimizer: the inverse scale and the clip coefficient
+    are one factor the step applies, the overflow is skipped on the device, and the scaler's
+    own update runs as it does: the weights, state and scale of unscaling and clipping first,
+    bit for bit, with no read of the step's tensors under blocking=False."""
+    from sync_guard import SyncGuard
+
+    scales = []  # the unscaling passes over the gradients
+    real_scale = gradfuse.ops.multi_tensor_scale_
+    monkeypatch.setattr(gradfuse.ops, "multi_tensor_scale_", lambda *a, **k: (scales.append(1), real_scale(*a, **k)))
+
+    def train(fused_step, guard=None):
+        scales.clear()
+        model, xs = model_and_batches()
+        opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        monitor = GradMonitor(model, max_norm=0.5, every=0, scaler=scaler, optimizer=opt,
+                              fused_step=fused_step, blocking=blocking and not guard)
+        with warnings.catch_warnings(), guard if guard is not None else contextlib.nullcontext():
+            warnings.simplefilter("ignore")
+            for step, x in enumerate(xs + xs):
+                scaler.scale(model(x).square().sum().mul(10.0)).backward()
+                if step == 3:  # an overflow: the scaler's to skip, and to halve its scale
+                    model[0].bias.grad[0] = math.inf
+                report = monitor.step()
+                if not report.skip:
+                    scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            monitor.close()
+        return model, opt, scaler, monitor, len(scales)
+
+    m0, o0, s0, mon0, passes0 = train(False)
+    guard = SyncGuard(allowed=None, host_copies=True) if not blocking else None
+    m1, o1, s1, mon1, passes1 = train(True, guard)
+    assert passes0 >= 11 and passes1 == 0  # riding, nothing scales the gradients in place
+    if guard is not None:
+        assert guard.reads == [] and guard.saw_gradfuse_op()
+    assert mon0.counters() == mon1.counters() and mon1.counters()["amp_overflow_steps"] == 1
+    assert mon1.counters()["clipped_steps"] >= 4
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    for k, state in o0.state_dict()["state"].items():
+        assert all(torch.equal(v, o1.state_dict()["state"][k][key]) for key, v in state.items())
+    assert float(o1.state_dict()["state"][0]["step"]) == 11 and s0.get_scale() == s1.get_scale() != 2.0 ** 12
+
+
+def test_attach_rides_amp_with_a_torch_optimizer():
+    def run(fused_step):
+        model, xs = model_and_batches()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with gradfuse.attach(opt, model, max_norm=0.5, scaler=scaler, fused_step=fused_step) as handle:
+                for step, x in enumerate(xs):
+                    scaler.scale(model(x).square().sum().mul(10.0)).backward()
+                    if step == 2:
+                        model[0].bias.grad[0] = math.inf
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad()
+        return model, handle.monitor.counters(), scaler.get_scale()
+
+    (m0, c0, s0), (m1, c1, s1) = run(False), run(True)
+    assert c0 == c1 and c1["amp_overflow_steps"] == 1 and c1["clipped_steps"] == 5 and s0 == s1 == 2.0 ** 11
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))

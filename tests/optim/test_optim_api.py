@@ -371,3 +371,35 @@ def test_a_state_dict_of_torchs_fused_optimizer_loads_and_one_with_capturable_is
     state["param_groups"][0]["capturable"] = True
     with pytest.raises(ValueError, match="capturable=True is not supported"):
         gradfuse.optim.Adam(model.parameters(), lr=0.05).load_state_dict(state)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["scaler.step", "scaler.unscale_ first"])
+@pytest.mark.parametrize("torch_cls, fused_cls, kwargs", PAIRS, ids=IDS)
+def test_a_grad_scaler_steps_them_as_torchs(torch_cls, fused_cls, kwargs, unscale_first):
+    """GradScaler hands the step its scale and found-Inf flag (``_step_supports_amp_scaling``,
+    as torch's fused Adam): unscaled inside the step, an overflow skipped on the device; the
+    weights, state and scale of torch's optimizer under the same scaler, bit for bit."""
+    def train(cls):
+        model = _model()
+        opt = cls(model.parameters(), **kwargs)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        g = torch.Generator().manual_seed(1)
+        for step in range(8):
+            scaler.scale(model(torch.randn(6, 4, generator=g)).square().sum()).backward()
+            if step == 3:  # an overflow: the step is skipped and the scale halved
+                model[0].bias.grad[0] = float("inf")
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model, opt, scaler
+
+    (mt, ot, st), (mf, of, sf) = train(torch_cls), train(fused_cls)
+    assert not hasattr(of, "grad_scale") and not hasattr(of, "found_inf")  # the scaler took them back
+    assert all(torch.equal(a, b) for a, b in zip(mt.parameters(), mf.parameters()))
+    for k, state in ot.state_dict()["state"].items():
+        assert all(torch.equal(v, of.state_dict()["state"][k][key]) for key, v in state.items())
+    if torch_cls is not torch.optim.SGD:  # (SGD keeps no step counter)
+        assert float(of.state_dict()["state"][0]["step"]) == 7  # the overflow step not taken
+    assert st.get_scale() == sf.get_scale() != 2.0 ** 12
