@@ -12,7 +12,9 @@ with
   flight recorder (with the updates);
 - ``full health, gradfuse.optim``: the same with ``gradfuse.optim.AdamW`` (torch's AdamW bit for
   bit, its step one fused pass) and ``fused_step=True`` (the clip applied inside that pass),
-  against the other variants' ``torch.optim.AdamW``.
+  against the other variants' ``torch.optim.AdamW``;
+- ``full health, never waiting``: that one with ``blocking=False`` (every decision on the device,
+  the host told a step later) and ``trace_nonfinite=True``: all of it at once.
 
 Each variant has its own copy of the model (the same initial weights) and its own AdamW, so that
 the activation hooks one variant arms never run in another's step; they take turns step by step
@@ -46,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradfuse  # noqa: E402
 import gradfuse.optim  # noqa: E402
 
-VARIANTS = ("torch clip", "monitor (clip)", "full health", "full health, gradfuse.optim")
+VARIANTS = ("torch clip", "monitor (clip)", "full health", "full health, gradfuse.optim",
+            "full health, never waiting")
 
 
 def build(args):
@@ -61,7 +64,8 @@ def build(args):
 
 def make_step(name: str, model, tokens, tmp: str):
     """A step function for the variant (its own AdamW) and a closer."""
-    fused = name.endswith("gradfuse.optim")
+    waits = not name.endswith("never waiting")
+    fused = name.endswith("gradfuse.optim") or not waits
     opt = (gradfuse.optim.AdamW if fused else torch.optim.AdamW)(model.parameters(), lr=1e-4, weight_decay=0.1)
     monitor = None
     if name == "monitor (clip)":
@@ -69,9 +73,10 @@ def make_step(name: str, model, tokens, tmp: str):
     elif name.startswith("full health"):
         monitor = gradfuse.GradMonitor(
             model, max_norm=1.0, every=1, histogram=True, noise_scale=True, update_ratios=opt,
-            activations=True, sinks=[gradfuse.JsonlSink(os.path.join(tmp, f"health-{fused}.jsonl"))],
+            activations=True, sinks=[gradfuse.JsonlSink(os.path.join(tmp, f"health-{VARIANTS.index(name)}.jsonl"))],
             recorder=gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp),
-            **({"optimizer": opt, "fused_step": True} if fused else {}))
+            **({"optimizer": opt, "fused_step": True} if fused else {}),
+            **({} if waits else {"blocking": False, "trace_nonfinite": True}))
 
     def step():
         loss = model(tokens, labels=tokens).loss

@@ -582,9 +582,11 @@ class GradMonitor:
         if pending is None:
             return
         report = pending.read()
-        decision = self._apply_policies(pending.plan, report, pending.capture, pending)
+        try:
+            decision = self._apply_policies(pending.plan, report, pending.capture, pending)
+        finally:  # a step that raises was skipped on the device too
+            pending.settled(self.dynamics)
         self._clipped_restored += pending.clipped and not report.skip  # a skipped step applied no clip
-        pending.settled(self.dynamics)
         flight.dump_if_acted(self.recorder, report, decision, pending.snapshot)
         report.settled = True
         if pending.plan.log_now or (report.anomalies and decision.policies):
