@@ -102,12 +102,7 @@ class Dynamics:
         whether this step wants them, for ``take_step_rows`` after the step."""
         s = report.stats
         skipped = report.skip or "amp_overflow" in report.anomalies or s is None
-        ns = self.noise_scale
-        if ns is not None:
-            if skipped or not len(s):
-                ns.skip_step()
-            else:
-                ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale)
+        self._noise_step(s, skipped, loss_scale)
         capture, self.capture_next = log_now or self.capture_next, False
         every = self.update_every is not None and report.step % self.update_every == 0
         ur, clip = self.update_ratios, self.update_clip
@@ -140,12 +135,8 @@ class Dynamics:
         held = skip
         if loss_scale is not None and s is not None:  # an overflow: GradScaler does not step
             held = s.nonfinite if held is None else held | s.nonfinite
-        ns, offered = self.noise_scale, False
-        if ns is not None:
-            if s is None or not len(s):
-                ns.skip_step()
-            else:
-                offered = ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=held)
+        ns = self.noise_scale
+        offered = self._noise_step(s, s is None, loss_scale, held)
         if self.update_clip is not None and self._settled_clips is None:
             self._settled_clips = {"update_clipped_params": 0, "update_clipped_steps": 0}
         self._deferred = {"step": report.step, "offered": offered, "clipped": None,
@@ -163,6 +154,16 @@ class Dynamics:
             got = _with_coefs(got, clip.prepare(got["rows"], coefs if held is None else torch.where(held, 1.0, coefs)))
         self._deferred_take(report, got)
         return False
+
+    def _noise_step(self, s, skipped: bool, loss_scale, skip=None) -> bool:
+        """The noise scale's step (``skip``: a device flag); whether it offered a pair."""
+        ns = self.noise_scale
+        if ns is None:
+            return False
+        if skipped or not len(s):
+            ns.skip_step()
+            return False
+        return ns.step(g2=s.floats[:, SUMSQ].sum(), loss_scale=loss_scale, skip=skip)
 
     def take_deferred_rows(self, report, step_rows, skip) -> None:
         """``take_step_rows`` for a ``blocking=False`` step (``on_deferred_step`` said it wants
