@@ -73,6 +73,7 @@ class Probe(L.Callback):
     def __init__(self, nan_batch=None):
         self.nan_batch = nan_batch
         self.changed = []
+        self.params_changed = []
 
     def on_train_start(self, trainer, pl_module):
         self.optimizer = trainer.optimizers[0]
@@ -97,6 +98,7 @@ class Probe(L.Callback):
         same_state = state.keys() == opt.state.keys() and all(
             torch.equal(state[k][n], opt.state[k][n]) for k in state for n in state[k])
         self.changed.append(not (same and same_state))
+        self.params_changed.append(not same)
 
 
 def fit(callbacks, accumulate=1, batches=8, precision=None, plugins=None, ckpt_path=None,

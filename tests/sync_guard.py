@@ -19,6 +19,8 @@ alone) is counted
 in ``copy_reads`` instead: on a GPU it waits for nothing. Everything else stays a read of the
 step's tensors."""
 import contextlib
+import os
+import sys
 import weakref
 
 import torch
@@ -33,6 +35,16 @@ UNDISPATCHED_READS = ("tolist", "numpy")
 FROM_PYTHON = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(python values)
 
 
+def _asker() -> str:
+    # The file of the innermost frame that is neither torch's nor this guard's.
+    torch_root = os.path.dirname(torch.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_root)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
+
+
 class HostSync(AssertionError):
     pass
 
@@ -45,6 +57,7 @@ class SyncGuard(TorchDispatchMode):
         self.copy_reads: list[str] = []
         self._derived: dict[int, weakref.ref] = {}  # id -> tensor computed from host copies alone
         self.reads: list[str] = []
+        self.read_sites: list[str] = []  # per read: the file of the code that asked for it
         self.seen: list[str] = []
         self._patched = []
 
@@ -57,6 +70,7 @@ class SyncGuard(TorchDispatchMode):
             self.copy_reads.append(what)
             return
         self.reads.append(what)
+        self.read_sites.append(_asker())
         if self.allowed is not None and len(self.reads) > self.allowed:
             raise HostSync(f"host read: {what} (reads so far: {self.reads})")
 
@@ -98,6 +112,12 @@ class SyncGuard(TorchDispatchMode):
                 else:
                     delattr(torch.Tensor, name)
             self._patched.clear()
+
+    def reads_from(self, package) -> list[str]:
+        """The reads that code of ``package`` (a module) asked for itself: the innermost caller
+        outside torch is one of its files (not a framework's code that gradfuse called back)."""
+        root = os.path.dirname(package.__file__) + os.sep
+        return [what for what, site in zip(self.reads, self.read_sites) if site.startswith(root)]
 
     def saw_gradfuse_op(self) -> bool:
         return any(name.startswith("gradfuse.") for name in self.seen)

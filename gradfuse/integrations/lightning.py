@@ -25,6 +25,7 @@ from gradfuse.core.amp import scaler_unscaled  # noqa: E402
 from gradfuse.integrations.lightning_clip_path import OWN, ClipPath, clip_algorithm, clip_mode  # noqa: E402
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, describe_mode, double_clip_message  # noqa: E402
+from gradfuse.monitor.device_skip import device_skip_kind  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
 from gradfuse.monitor.sinks import metrics  # noqa: E402
 from gradfuse.utils import warn  # noqa: E402
@@ -109,7 +110,13 @@ class GradfuseCallback(Callback):
     for no clip).
 
     AMP: the scaler of a ``16-mixed`` precision plugin is handed to the monitor, so an overflow
-    is left to the scaler (``amp_overflow``), not skipped as an anomaly. With several optimizers
+    is left to the scaler (``amp_overflow``), not skipped as an anomaly.
+
+    Never waiting: with an optimizer whose step takes the skip on the device (``gradfuse.optim``,
+    torch's fused Adam / AdamW; see ``gradfuse.monitor.device_skip``) and no scaler, the monitor
+    decides there by default (``blocking=False``): the host reads nothing of a step, and its
+    warning, counters, ``last_report`` and logger row come at the next step (the last step's at
+    ``on_train_end``). ``blocking=True`` decides at each step. With several optimizers
     (manual optimization) each gets a monitor; their logger metrics are prefixed
     ``optimizer_{i}/``. The monitors' counters and step numbers are saved in checkpoints.
 
@@ -304,8 +311,14 @@ class GradfuseCallback(Callback):
             named = named_optimizer_params([optimizer], pl_module)
             if kwargs.pop("check_double_clip", True):  # checked here, on the steps gradfuse clips
                 self._double_clip[index] = DoubleClipCheck([p for _, p in named], [n for n, _ in named])
+            # The optimizer takes the skip on the device: by default the monitor never waits
+            # (Lightning reads nothing of the step; the report and the counters settle a step later).
+            on_device = device_skip_kind(optimizer) is not None and scaler is None
+            if kwargs.get("blocking") is None:
+                kwargs["blocking"] = not on_device
+            hand = scaler is not None or kwargs.get("fused_step") or (on_device and not kwargs["blocking"])
             mon = GradMonitor(named, max_norm=self.max_norm, every=0, scaler=scaler,
-                              optimizer=optimizer if scaler is not None else None, sinks=sinks,
+                              optimizer=optimizer if hand else None, sinks=sinks,
                               check_double_clip=False, **({"module": pl_module} if hooks else {}), **kwargs)
             mon._call_name = CALL_NAME
             if mon.recorder is not None and not mon.recorder.optimizers:
@@ -379,7 +392,10 @@ class GradfuseCallback(Callback):
             self._took_value = False
 
     def on_train_end(self, trainer, pl_module) -> None:
-        """Lightning hook: removes the step gates, the clipping path's wrappers and the activation hooks."""
+        """Lightning hook: settles the last step (``blocking=False``), and removes the step gates,
+        the clipping path's wrappers and the activation hooks."""
+        for mon in self.monitors.values():
+            mon.settle()  # the fit's last step acted on, and logged if its step logs
         self._release(trainer)
 
     def on_exception(self, trainer, pl_module, exception) -> None:

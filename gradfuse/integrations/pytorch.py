@@ -200,13 +200,13 @@ class Attachment:
             if len(optimizers) != 1 or any(accelerated):
                 raise ValueError("gradfuse.attach: fused_step=True takes one torch optimizer (not accelerate's)")
             from_torch(optimizers[0])
-        # The one optimizer takes the skip on the device (an accelerate loop reads step_was_skipped
-        # on the host for its scheduler: that one keeps the host's decision). The loop reads
-        # nothing of the step, so by default the monitor waits only where the optimizer cannot
-        # take the skip (or a scaler's unscale is fused with the statistics).
-        can = len(optimizers) == 1 and not any(accelerated) and device_skip_kind(optimizers[0]) is not None
+        # The one optimizer takes the skip on the device. The loop reads nothing of the step, so
+        # by default the monitor waits only where the optimizer cannot take the skip (or a
+        # scaler's unscale is fused with the statistics) and under accelerate, whose scheduler
+        # reads step_was_skipped on the host (blocking=False: it is not told of a skip).
+        can = len(optimizers) == 1 and device_skip_kind(self._scaled[0]) is not None
         if monitor_kwargs.get("blocking") is None:
-            monitor_kwargs = {**monitor_kwargs, "blocking": not (can and scaler is None)}
+            monitor_kwargs = {**monitor_kwargs, "blocking": not (can and scaler is None and not any(accelerated))}
         on_device = (monitor_kwargs["blocking"] is False and can) or bool(monitor_kwargs.get("fused_step"))
         self.monitor = GradMonitor(named, scaler=scaler, optimizer=self._scaled[0] if fused or on_device else None,
                                    **monitor_kwargs)
@@ -418,7 +418,9 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             False where the one optimizer takes the skip on the device (a ``gradfuse.optim``
             optimizer, torch's fused Adam / AdamW, ``fused_step=True``) and no ``scaler`` is
             given: the host never waits, and the report, warnings and records of a step come
-            at the next ``optimizer.step()`` (``handle.last_report.settled``); else True.
+            at the next ``optimizer.step()`` (``handle.last_report.settled``); else True, and
+            True under accelerate, whose scheduler reads ``step_was_skipped`` on the host (with
+            False it is not told of a skip).
 
     Returns:
         The handle: ``monitor``, ``last_report``, ``state_dict()``, ``detach()``

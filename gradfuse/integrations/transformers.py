@@ -31,6 +31,7 @@ from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 
 from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
 from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
+from gradfuse.monitor.device_skip import device_skip_kind  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402
 from gradfuse.monitor.sinks import metrics  # noqa: E402
 from gradfuse.utils import warn  # noqa: E402
@@ -123,9 +124,16 @@ class GradfuseCallback(TrainerCallback):
             kwargs = dict(self.monitor_kwargs)
             if kwargs.get("update_ratios") is True:
                 kwargs["update_ratios"] = inner
+            # The optimizer takes the skip on the device (the Trainer's default, fused AdamW): by
+            # default the monitor never waits. The Trainer's scheduler reads step_was_skipped,
+            # which only a scaler's overflow sets, with the monitor waiting or not.
+            on_device = device_skip_kind(inner) is not None and scaler is None
+            if kwargs.get("blocking") is None:
+                kwargs["blocking"] = not on_device
+            hand = scaler is not None or (on_device and not kwargs["blocking"])
             self.monitor = GradMonitor(
                 named_optimizer_params([inner], trainer.model), max_norm=self.max_norm, every=0,
-                scaler=scaler, optimizer=inner if scaler is not None else None,
+                scaler=scaler, optimizer=inner if hand else None,
                 sinks=self.sinks if trainer.is_world_process_zero() else [],
                 **({"module": trainer.model} if hooks else {}), **kwargs)
             self.monitor._call_name = "gradfuse.integrations.transformers.attach (the Trainer's clip)"
@@ -268,6 +276,7 @@ class GradfuseCallback(TrainerCallback):
         self._loss_seen = None  # the Trainer reset its running loss for this log
         if report is None or report.stats is None:
             return
+        self.monitor.settle()  # blocking=False: this update's decision (the Trainer read its grad_norm)
         record = self.monitor.record(report)
         self.monitor.write(record)
         report.logged = True  # close() does not write it again
@@ -308,6 +317,7 @@ class GradfuseCallback(TrainerCallback):
             self._deepspeed.detach(close=False)
             self._deepspeed = None
         if self.monitor is not None:
+            self.monitor.settle()  # blocking=False: the last update acted on before train() returns
             self.monitor.disarm_activations()  # no activation hook outlives train()
         if self._original_clip is not None:
             had_own, original = self._original_clip
@@ -359,7 +369,10 @@ def attach(trainer, max_norm: float | None = None, *, sinks=(), **monitor_kwargs
             updates the Trainer logs; the flight recorder (``recorder=``) records the loss of each
             update (the Trainer's training loss summed over its micro-batches, as
             ``training_step`` returns it) and, with ``FlightRecorder(record_updates=True)``, the
-            Trainer's optimizer's updates.
+            Trainer's optimizer's updates. ``blocking``: by default False where the Trainer's
+            optimizer takes the skip on the device (its default ``adamw_torch_fused``, a
+            ``gradfuse.optim`` optimizer) and there is no scaler: gradfuse never waits; an
+            update's record is settled at the Trainer's log of it, or at the next update.
 
     Returns:
         The callback (``monitor``, ``last_report``, ``close()``).

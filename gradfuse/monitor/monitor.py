@@ -779,6 +779,19 @@ class GradMonitor:
         restore_state(self, state)  # checked first: a malformed state changes nothing
         self._clipped_restored, self._clipped, self._restored = int(state["clipped_steps"]), None, True
 
+    def settle(self) -> None:
+        """``blocking=False``: acts now on the step not yet settled (its decision, counters,
+        warnings, a raise, its dump and record, as the next ``step`` would); nothing to do
+        otherwise. Unlike ``flush`` it writes no record that the step's logging did not ask for.
+        Reads the step's host copies: on a GPU it waits for that step's device work.
+
+        Example:
+            ```python
+            monitor.settle()   # e.g. at the end of an epoch, before reading counters()
+            ```
+        """
+        self._settle()
+
     def flush(self) -> None:
         """Logs the last step if it was not logged, so that the log ends where the run ended
         (its counters cover every step). ``close`` does this first.

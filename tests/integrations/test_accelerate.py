@@ -199,6 +199,53 @@ def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
         GradientState._reset_state()
 
 
+@pytest.mark.parametrize("blocking", [None, False], ids=["default", "blocking=False"])
+def test_with_an_optimizer_that_skips_on_the_device(blocking, functional_watch):
+    """A fused AdamW (its step takes the skip on the device) prepared with its scheduler. By
+    default the monitor decides on the host, so that accelerate's scheduler, which reads
+    step_was_skipped there, stays put at a skip. With blocking=False gradfuse reads nothing of a
+    step: the skip is the optimizer's, on the device, and the scheduler is not told of it (it
+    advances, as in a loop without accelerate)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from sync_guard import SyncGuard
+    try:
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        handle = gradfuse.attach(opt, model, every=0, on_nonfinite="skip",
+                                 **({} if blocking is None else {"blocking": blocking}))
+        lrs, taken = [], []
+        guard = SyncGuard(allowed=None, host_copies=True)
+        with pytest.warns(RuntimeWarning, match="gradfuse step 2: optimizer step skipped"), guard:
+            for i in range(4):
+                x = torch.randn(3, 4)
+                if i == 2:
+                    x[0, 0] = math.nan
+                before = model.weight.detach().clone()
+                accelerator.backward(model(x).sum())
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                lrs.append(sched.get_last_lr()[0])
+                taken.append(not torch.equal(before, model.weight))
+            handle.detach()
+        assert taken == [True, True, False, True] and handle.monitor.skipped_steps == 1
+        assert handle.monitor._defers is (blocking is False)
+        if blocking is False:
+            assert guard.reads_from(gradfuse) == []
+            assert lrs == pytest.approx([0.05, 0.025, 0.0125, 0.00625])
+        else:
+            assert len(guard.reads_from(gradfuse)) >= 4
+            assert lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def _accelerated_run(order, attached, out_dir=None, steps=4):
     """A plain accelerate loop (a LambdaLR scheduler, SGD, one process) built in ``order``, with
     ``gradfuse.attach`` (clipping every step) or without it; returns what it left behind."""

@@ -299,3 +299,61 @@ def test_amp_training_step_returning_none_leaves_the_scaler_to_lightning():
         counts.append(scaler.calls)
     assert counts[0] == counts[1] == {"unscale_": 4, "step": 4, "update": 4}
     assert len(records) == 4 and callbacks[0].monitor.clipped_steps == 4
+
+
+class SteppedOnTheDevice(lightning_harness.Tiny):
+    """An optimizer whose step takes the skip on the device, and an LR scheduler stepped per batch."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def configure_optimizers(self):
+        import gradfuse
+        params = dict(lr=0.01, weight_decay=0.1)
+        opt = (gradfuse.optim.AdamW(self.parameters(), **params) if self.kind == "gradfuse.optim"
+               else torch.optim.AdamW(self.parameters(), fused=True, **params))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _same_rows(a, b) -> bool:
+    """Logger rows equal, a NaN equal to a NaN."""
+    def same(x, y):
+        return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
+    return len(a) == len(b) and all(
+        sa == sb and ma.keys() == mb.keys() and all(same(ma[k], mb[k]) for k in ma) for (sa, ma), (sb, mb) in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["gradfuse.optim", "torch fused"])
+def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind, functional_watch):
+    """With an optimizer that takes the skip on the device the callback decides there by default:
+    gradfuse reads nothing of a step on the host (against the same fit with blocking=True), the
+    planted NaN step is not applied, and the weights, the optimizer state, the LR scheduler, the
+    counters and what the logger got are those of the blocking fit (the skip's row one step later
+    on the host, under its own step number)."""
+    from sync_guard import SyncGuard
+
+    import gradfuse
+    runs = {}
+    for mode in ("blocking", "default"):
+        probe = Probe(nan_batch=3)
+        cb = GradfuseCallback(max_norm=MAX_NORM, **({"blocking": True} if mode == "blocking" else {}))
+        guard = SyncGuard(allowed=None, host_copies=True)
+        with pytest.warns(RuntimeWarning, match=r"step 3: optimizer step skipped: .*net\.2\.weight"), guard:
+            trainer, model, logger = fit([probe, cb], model=SteppedOnTheDevice(kind), log_every_n_steps=2)
+        runs[mode] = trainer, model, logger, cb, guard, probe
+    (tb, mb, lb, cbb, gb, pb), (td, md, ld, cbd, gd, pd) = runs["blocking"], runs["default"]
+    assert cbd.monitor._defers and not cbb.monitor._defers
+    assert gd.reads_from(gradfuse) == [] and len(gb.reads_from(gradfuse)) >= 8  # one decision per step at least
+    assert cbd.monitor.counters() == cbb.monitor.counters() and cbd.monitor.skipped_steps == 1
+    assert cbd.last_report.settled and cbd.last_report.step == 7
+    assert pd.params_changed == pb.params_changed == [True, True, True, False, True, True, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(mb.parameters(), md.parameters(), strict=True))
+    sb, sd = tb.optimizers[0].state_dict()["state"], td.optimizers[0].state_dict()["state"]
+    assert len(sd) == 4 and all(torch.equal(torch.as_tensor(sb[k][n]), torch.as_tensor(sd[k][n]))
+                                for k in sb for n in sb[k])
+    sched_b, sched_d = (t.lr_scheduler_configs[0].scheduler for t in (tb, td))
+    assert (sched_d.last_epoch, sched_d.get_last_lr()) == (sched_b.last_epoch, sched_b.get_last_lr())
+    assert (sched_d.last_epoch, sched_d.get_last_lr()) == (8, [0.01 / 16])
+    assert any(m.get("grad/skipped") == 1.0 for _, m in ld.rows) and _same_rows(ld.rows, lb.rows)

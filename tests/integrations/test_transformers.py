@@ -269,3 +269,41 @@ def test_a_skipped_first_update_raises_no_scheduler_warning(tmp_path, own_optimi
     _, seen = _run_recording_warnings(trainer)
     assert cb.monitor.skipped_steps == 1
     assert [m for _, m in seen] == [m for _, m in seen if "optimizer step skipped" in m] and len(seen) == 1
+
+
+def test_the_trainers_fused_adamw_never_waits(tmp_path, functional_watch):
+    """The Trainer's own optimizer (fused AdamW, its default) takes the skip on the device: by
+    default gradfuse reads nothing of an update on the host (against blocking=True), the update
+    with a planted NaN is skipped on the device, and the weights, the optimizer state, the log
+    history (grad_norm included), the learning rates and the records are the blocking run's."""
+    from sync_guard import SyncGuard
+
+    import gradfuse
+    runs = {}
+    for mode in ("blocking", "default"):
+        trainer, _ = make_trainer(tmp_path / mode, MAX_NORM, accumulate=1, max_steps=4, own_optimizer=False,
+                                  lr_scheduler_type="linear", warmup_steps=1)
+        trainer.add_callback(PlantAt({1: math.nan}))
+        records = []
+        sink = type("Records", (), {"write": lambda self, record, records=records: records.append(record)})()
+        cb = attach(trainer, sinks=[sink], **({"blocking": True} if mode == "blocking" else {}))
+        guard = SyncGuard(allowed=None, host_copies=True)
+        with guard:
+            train(trainer)
+        runs[mode] = trainer, cb, guard, records
+    (tb, cbb, gb, rb), (td, cbd, gd, rd) = runs["blocking"], runs["default"]
+    assert type(td.optimizer.optimizer) is torch.optim.AdamW and td.optimizer.optimizer.defaults["fused"]
+    assert cbd.monitor._defers and not cbb.monitor._defers
+    assert gd.reads_from(gradfuse) == [] and len(gb.reads_from(gradfuse)) >= 4
+    assert cbd.monitor.counters() == cbb.monitor.counters() and cbd.monitor.skipped_steps == 1
+    assert [(r["step"], r["event"], r["skipped"]) for r in rd] == [(r["step"], r["event"], r["skipped"]) for r in rb]
+    assert (2, True, True) in [(r["step"], r["event"], r["skipped"]) for r in rd]
+    assert all(torch.equal(a, b) for a, b in zip(tb.model.parameters(), td.model.parameters(), strict=True))
+    sb, sd = tb.optimizer.optimizer.state_dict()["state"], td.optimizer.optimizer.state_dict()["state"]
+    assert sd and all(torch.equal(sb[k][n], sd[k][n]) for k in sb for n in sb[k])
+    assert float(sd[0]["step"]) == 3  # 4 updates, one skipped
+    hb, hd = ([h for h in t.state.log_history if "loss" in h] for t in (tb, td))
+    assert len(hd) == 4 and [h.keys() for h in hd] == [h.keys() for h in hb]
+    for h, r in zip(hd, hb):
+        assert all(h[k] == r[k] or (math.isnan(h[k]) and math.isnan(r[k])) for k in h), h["step"]
+    assert math.isnan(hd[1]["grad_norm"]) and hd[1]["grad/skipped"] == 1.0
