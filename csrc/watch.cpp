@@ -330,9 +330,10 @@ class ParamWatch : public torch::CustomClassHolder {
   // Scales this step's gradients by `coef` where it is < 1 (the conditional scale op); false
   // (nothing touched) when they do not match the plan. A CPU coefficient that needs no scaling
   // is read here (no sync) and the gradients are not walked at all: the op would return
-  // without touching them.
+  // without touching them. Not under a TorchDispatchMode: that reads nothing, as on a GPU.
   bool scale(const at::Tensor& coef) const {
-    if (coef.device().is_cpu() && !needs_scaling(coef.item<double>())) {
+    if (coef.device().is_cpu() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+        !needs_scaling(coef.item<double>())) {
       return absent_still_absent();
     }
     std::vector<std::vector<at::Tensor>> grads;

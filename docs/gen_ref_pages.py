@@ -25,8 +25,9 @@ TOP_GROUPS = [
     ("Clipping", "Drop-ins for `torch.nn.utils` and gradfuse's own modes; see the clipping guide.",
      ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "clip_", "clip_grad_value_",
       "adaptive_clip_grad_", "ZClip", "unscale_clip_"]),
-    ("Monitoring", "The monitor, its reports, and the one-line attachment to an optimizer.",
-     ["attach", "Attachment", "GradMonitor", "StepReport", "GradientAnomaly"]),
+    ("Monitoring", "The monitor, its reports, the one-line attachment to an optimizer, and a count of "
+     "the host's reads (what would wait for a GPU).",
+     ["attach", "Attachment", "GradMonitor", "StepReport", "GradientAnomaly", "HostReads"]),
     ("Flight recorder", "The last steps of every layer on the device, spikes, dumps and their diagnosis; "
      "see the guide on diagnosing a spike.",
      ["FlightRecorder", "load_dump", "explain"]),

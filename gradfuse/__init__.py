@@ -25,6 +25,7 @@ from gradfuse.clip import (
 )
 from gradfuse.core.amp import unscale_clip_
 from gradfuse.core.grad_stats import GradStats
+from gradfuse.core.host_reads import HostReads
 from gradfuse.core.watch import GradWatch, watch
 from gradfuse.dynamics import NoiseScale, UpdateClip, clip_update_rms
 from gradfuse.functional import stats, tensor_stats
@@ -51,7 +52,8 @@ from gradfuse import headroom, histogram, sinks  # noqa: F401
 __version__ = "0.1.0"
 
 __all__ = ["ActivationCapture", "ActivationStats", "Attachment", "FlightRecorder", "GradMonitor", "GradStats",
-           "GradWatch", "GradientAnomaly", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink", "NoiseScale",
+           "GradWatch", "GradientAnomaly", "HostReads", "JsonlSink", "LoggingSink", "MLflowSink", "MetricsSink",
+           "NoiseScale",
            "PrometheusSink", "Sink", "StepReport", "TensorBoardSink", "UpdateClip", "WandbSink", "ZClip",
            "__version__", "adaptive_clip_grad_", "attach", "backend", "build_info", "capture_activations", "clip_",
            "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "clip_update_rms", "explain",

@@ -65,12 +65,3 @@ def cpu_without_float64(monkeypatch):
     monkeypatch.setattr(library, "_warned", {"cpu"})
     monkeypatch.setattr(library, "NO_FLOAT64", {"mps", "cpu"})
     gradfuse.core.walk_cache.clear()
-
-
-@pytest.fixture
-def functional_watch(monkeypatch):
-    """gradfuse.watch without its C++ fast path (which reads its 0-d clip coefficient where it
-    lives on the CPU; on CUDA it reads nothing): the functional path it hands over to, every op
-    of which a dispatch mode such as the sync guard sees."""
-    from gradfuse.core.watch import GradWatch
-    monkeypatch.setattr(GradWatch, "_fast_ready", lambda self: False)

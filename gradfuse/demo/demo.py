@@ -87,10 +87,14 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
         timing: bool = True) -> dict:
     """Runs the demo and prints what it finds.
 
-    Trains ``TinyTransformer`` to sort digits with ``gradfuse.attach`` on its optimizer, with a
-    gradient spike, a NaN gradient and a NaN in a forward output planted; prints what the monitor
-    caught, the final per-parameter table, the dead-layer example and the gradient noise scale;
-    draws the pictures when matplotlib is installed; with ``timing``, prints the timing table.
+    Trains ``TinyTransformer`` to sort digits with ``gradfuse.attach`` on its optimizer, in the
+    configuration the README recommends: every statistic on, the clip riding the optimizer's
+    fused step, the decisions taken on the device (the host never waits; it hears of each step
+    at the next one). A gradient spike, a NaN gradient and a NaN in a forward output are planted.
+    Prints what the monitor caught, how often gradfuse's step read a value of the step on the
+    host (``gradfuse.HostReads``: 0), the flight recorder's explanation of the spike, the final
+    per-parameter table, the dead-layer example and the gradient noise scale; draws the pictures
+    when matplotlib is installed; with ``timing``, prints the timing table.
 
     Args:
         steps: Optimizer steps to train.
@@ -101,7 +105,9 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
         timing: Print the timing table at the end.
 
     Returns:
-        dict: ``caught`` (a line per anomaly step), ``skipped`` (the count of skipped steps), ``log``
+        dict: ``caught`` (a line per anomaly step), ``skipped`` (the count of skipped steps),
+            ``host_reads`` (reads of the steps' values in ``opt.step()``), ``spike_dump`` (the
+            flight recorder's dump of the spike, or None), ``log``
             (the JSONL path), ``picture`` and ``activations_picture`` (paths, None without
             matplotlib), ``exponents_picture`` and ``noise_scale_picture`` (when ``picture`` was
             drawn), ``loss_first``, ``loss_last``, ``dead_layers`` and ``noise_scale`` (the
@@ -123,6 +129,8 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
     # threshold is a circuit breaker: that step is skipped, not applied in a clipped form.
     # activations=True: module outputs and their gradients on logged steps (hooks on those steps
     # only); trace_nonfinite=True: names the module where a NaN first appears, on any step.
+    # fused_step=True: AdamW becomes gradfuse.optim.AdamW (torch's, bit for bit), whose step
+    # applies the clip and takes the skip on the device, so attach never waits (blocking=False).
     handle = gradfuse.attach(opt, model, max_norm=1.0, every=max(steps // 40, 1),
                              on_nonfinite="skip", explode_threshold=1e3, on_explode="skip",
                              sinks=[JsonlSink(log_path)], activations=True, trace_nonfinite=True,
@@ -130,11 +138,16 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
                              # gradient noise scale (attach sees the micro-batches' backward passes)
                              histogram=True,
                              noise_scale=gradfuse.NoiseScale(batch_size=batch // micro_batches,
-                                                             accumulation_steps=micro_batches))
+                                                             accumulation_steps=micro_batches),
+                             # update-to-weight ratios, and the last 64 steps' statistics, losses and
+                             # updates kept on the device for a dump that explains an anomaly
+                             update_ratios=True, fused_step=True,
+                             recorder=gradfuse.FlightRecorder(dump_dir=os.path.join(out_dir, "dumps"),
+                                                              record_updates=True))
     mon = handle.monitor
     spike_step, nan_step, forward_nan_step = steps // 3, (2 * steps) // 3, (5 * steps) // 6
-    caught = []
-    loss_first = loss_last = None
+    reports, losses = [], []
+    host_reads = gradfuse.HostReads()  # counts the host's reads of values, in opt.step() below
     print(f"gradfuse demo: {sum(p.numel() for p in model.parameters()):,} parameters in "
           f"{len(list(model.parameters()))} tensors, {steps} steps; backend {gradfuse.backend('cpu')}")
     print(f"planted: a gradient spike at step {spike_step}, a NaN gradient at step {nan_step}, "
@@ -152,26 +165,33 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
             loss = loss + part.detach()
         if step == nan_step:
             model.layers[1].linear1.weight.grad[3, 5] = float("nan")
-        with warnings.catch_warnings():  # the demo prints what the monitor caught below
+        handle.loss(loss)  # for the flight recorder (read on the device)
+        with warnings.catch_warnings(), host_reads:  # the demo prints what the monitor caught below
             warnings.simplefilter("ignore", RuntimeWarning)
-            opt.step()  # gradfuse runs first, and may skip the update
+            opt.step()  # gradfuse runs first, and the step may be skipped (on the device)
         opt.zero_grad()
-        report = handle.last_report
-        if report.anomalies:
-            action = "skipped the optimizer step" if report.skip else "clipped and went on"
-            caught.append(f"step {report.step}: {', '.join(report.anomalies)} -> {action}\n    {report.message}")
-        if not report.skip:
-            loss_first = loss.item() if loss_first is None else loss_first
-            loss_last = loss.item()
+        reports.append(handle.last_report)  # filled in when the host hears of it, a step later
+        losses.append(loss)
     # One more backward for a table of the final gradients.
     x, y = sorting_batch(batch, seq, gen)
     nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     final = gradfuse.stats(model)
-    handle.detach()  # logs the last step, closes the log
-    print(f"\nloss {loss_first:.3f} -> {loss_last:.3f}; the monitor caught:")
+    handle.detach()  # settles and logs the last step, closes the log
+    caught = [f"step {r.step}: {', '.join(r.anomalies)} -> "
+              f"{'skipped the optimizer step' if r.skip else 'clipped and went on'}\n    {r.message}"
+              for r in reports if r.anomalies]
+    applied = [loss.item() for loss, r in zip(losses, reports) if not r.skip]
+    print(f"\nloss {applied[0]:.3f} -> {applied[-1]:.3f}; the monitor caught:")
     print("\n".join("  " + c for c in caught) or "  nothing")
     print(f"  skipped steps: {mon.skipped_steps}, clipped steps: {mon.clipped_steps}, "
           f"anomaly steps: {mon.anomaly_steps}")
+    print(f"  in opt.step() (statistics, clip, policies, the update) the host waited for the device "
+          f"{len(host_reads.reads)} times in {steps} steps; it read {len(host_reads.copy_reads)} values "
+          "from copies made without waiting, a step later")
+    spike_dump = next((str(r.dump) for r in reports if r.step == spike_step and r.dump), None)
+    if spike_dump is not None:
+        print(f"\nthe flight recorder on the spike (python -m gradfuse explain {spike_dump}):")
+        print(gradfuse.explain(gradfuse.load_dump(spike_dump)).text())
     print("\nper-parameter gradient statistics after training (top 10 by L2):")
     print(final.table(top=10))
     dead = dead_layer_demo()
@@ -200,7 +220,8 @@ def run(steps: int = 200, out_dir: str = "runs/demo", tiny: bool = False, seed: 
     if timing:
         print_timing(tiny)
     return {"caught": caught, "skipped": mon.skipped_steps, "log": log_path, "picture": picture,
-            "loss_first": loss_first, "loss_last": loss_last, "dead_layers": dead,
+            "host_reads": len(host_reads.reads), "spike_dump": spike_dump,
+            "loss_first": applied[0], "loss_last": applied[-1], "dead_layers": dead,
             "activations_picture": act_picture, "noise_scale": noise, **extra}
 
 

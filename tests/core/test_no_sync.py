@@ -79,17 +79,24 @@ def test_clip_and_clip_grad_norm():
         torch.testing.assert_close(a, b)
 
 
-def test_watch_clip_reads_only_its_cpu_coefficient():
-    model = model_with_grads()
+def test_watch_clip_fast_path_reads_nothing_under_a_dispatch_mode():
+    """Without a dispatch mode the fast path reads a CPU coefficient (no sync) to leave gradients
+    that need no scaling unwalked; under one (the guard) it reads nothing, as on a GPU, and the
+    conditional scale op, which the guard sees, clips."""
+    model, twin = model_with_grads(), model_with_grads()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)
     watch = gradfuse.watch(model)
-    watch.clip_(MAX_NORM)  # plans the fast path
-    for _ in range(2):
-        with SyncGuard(allowed=None) as guard:
-            watch.clip_(MAX_NORM)
-        assert watch.last_path == "fast" and guard.reads == [LOCAL_SCALAR]
+    watch.stats()  # plans the fast path
+    with SyncGuard(allowed=None) as guard:
+        s = watch.clip_(MAX_NORM)
+    assert watch.last_path == "fast" and guard.reads == [] and "gradfuse.multi_tensor_scale_" in guard.seen
+    assert float(s.clip_coef) < 1
+    for a, b in zip(grads(model), grads(twin)):
+        torch.testing.assert_close(a, b)
 
 
-def test_watch_clip_functional_path(functional_watch):
+def test_watch_clip_functional_path(monkeypatch):
+    monkeypatch.setattr(GradWatch, "_fast_ready", lambda self: False)
     model, twin = model_with_grads(), model_with_grads()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)
     watch = gradfuse.watch(model)
@@ -116,5 +123,5 @@ def test_monitor_step_reads_one_flag_per_decision(monkeypatch, policy, decisions
         with SyncGuard(allowed=None) as guard:
             mon.step()
         assert guard.saw_gradfuse_op()
-        assert guard.reads == [LOCAL_SCALAR] * (decisions + fast)
+        assert guard.reads == [LOCAL_SCALAR] * decisions
     assert mon.clipped_steps == 4

@@ -200,7 +200,7 @@ def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
 
 
 @pytest.mark.parametrize("blocking", [None, False], ids=["default", "blocking=False"])
-def test_with_an_optimizer_that_skips_on_the_device(blocking, functional_watch):
+def test_with_an_optimizer_that_skips_on_the_device(blocking):
     """A fused AdamW (its step takes the skip on the device) prepared with its scheduler. By
     default the monitor decides on the host, so that accelerate's scheduler, which reads
     step_was_skipped there, stays put at a skip. With blocking=False gradfuse reads nothing of a

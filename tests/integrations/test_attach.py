@@ -296,7 +296,7 @@ def test_a_skipped_first_step_counts_as_called_for_the_scheduler():
 
 
 @pytest.mark.parametrize("kind", ["gradfuse.optim", "torch fused", "torch foreach"])
-def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind, functional_watch):
+def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind):
     from sync_guard import SyncGuard
 
     def train(blocking):

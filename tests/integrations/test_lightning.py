@@ -326,7 +326,7 @@ def _same_rows(a, b) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["gradfuse.optim", "torch fused"])
-def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind, functional_watch):
+def test_the_default_never_waits_where_the_optimizer_takes_the_skip(kind):
     """With an optimizer that takes the skip on the device the callback decides there by default:
     gradfuse reads nothing of a step on the host (against the same fit with blocking=True), the
     planted NaN step is not applied, and the weights, the optimizer state, the LR scheduler, the

@@ -271,7 +271,7 @@ def test_a_skipped_first_update_raises_no_scheduler_warning(tmp_path, own_optimi
     assert [m for _, m in seen] == [m for _, m in seen if "optimizer step skipped" in m] and len(seen) == 1
 
 
-def test_the_trainers_fused_adamw_never_waits(tmp_path, functional_watch):
+def test_the_trainers_fused_adamw_never_waits(tmp_path):
     """The Trainer's own optimizer (fused AdamW, its default) takes the skip on the device: by
     default gradfuse reads nothing of an update on the host (against blocking=True), the update
     with a planted NaN is skipped on the device, and the weights, the optimizer state, the log

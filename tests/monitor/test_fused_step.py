@@ -320,7 +320,7 @@ def test_attach_rides_max_update_rms(monkeypatch):
 
 
 @pytest.mark.parametrize("blocking", [True, False])
-def test_amp_rides_the_step_unscaled_as_it_reads_the_gradients(tmp_path, blocking, functional_watch, monkeypatch):
+def test_amp_rides_the_step_unscaled_as_it_reads_the_gradients(tmp_path, blocking, monkeypatch):
     """GradScaler with a gradfuse.optim optimizer: the inverse scale and the clip coefficient
     are one factor the step applies, the overflow is skipped on the device, and the scaler's
     own update runs as it does: the weights, state and scale of unscaling and clipping first,

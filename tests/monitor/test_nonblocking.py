@@ -104,7 +104,7 @@ class _nothing:
         return False
 
 
-def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path, functional_watch):
+def test_no_blocking_read_and_the_blocking_monitors_results(tmp_path):
     guard = SyncGuard(allowed=None, host_copies=True)
     _, opt_b, mon_b, rep_b, rec_b, msg_b, recorder_b = run(tmp_path, blocking=True)
     model_n, opt_n, mon_n, rep_n, rec_n, msg_n, recorder_n = run(tmp_path, blocking=False, guard=guard)
@@ -182,7 +182,7 @@ def assert_same_records(rec_b, rec_n, histogram=False, fused_step=False):
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN as NaN
 
 
-def test_histograms_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+def test_histograms_never_wait_and_give_the_blocking_records(tmp_path):
     guard = SyncGuard(allowed=None, host_copies=True)
     rec_b = run(tmp_path, blocking=True, histogram=True)[4]
     rec_n = run(tmp_path, blocking=False, guard=guard, histogram=True)[4]
@@ -190,7 +190,7 @@ def test_histograms_never_wait_and_give_the_blocking_records(tmp_path, functiona
     assert_same_records(rec_b, rec_n, histogram=True)
 
 
-def test_activations_and_the_nan_trace_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+def test_activations_and_the_nan_trace_never_wait_and_give_the_blocking_records(tmp_path):
     guard = SyncGuard(allowed=None, host_copies=True)
     options = dict(activations=True, trace_nonfinite=True, histogram=True, forward_nan=True)
     _, _, mon_b, rep_b, rec_b, msg_b, _ = run(tmp_path, blocking=True, **options)
@@ -206,7 +206,7 @@ def test_activations_and_the_nan_trace_never_wait_and_give_the_blocking_records(
     assert mon_b.counters() == mon_n.counters()
 
 
-def test_the_noise_scale_never_waits_and_gives_the_blocking_estimates(tmp_path, functional_watch):
+def test_the_noise_scale_never_waits_and_gives_the_blocking_estimates(tmp_path):
     def train(blocking, guard=None):
         torch.manual_seed(0)
         model = TinyTransformer()
@@ -244,7 +244,7 @@ def test_the_noise_scale_never_waits_and_gives_the_blocking_estimates(tmp_path, 
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def test_update_statistics_never_wait_and_give_the_blocking_records(tmp_path, functional_watch):
+def test_update_statistics_never_wait_and_give_the_blocking_records(tmp_path):
     guard = SyncGuard(allowed=None, host_copies=True)
     options = dict(update_ratios="opt", update_every=3, record_updates=True)
     _, _, mon_b, rep_b, rec_b, _, _ = run(tmp_path, blocking=True, **options)
@@ -264,7 +264,7 @@ def test_update_statistics_never_wait_and_give_the_blocking_records(tmp_path, fu
     assert ring["steps"][-1] == NAN_AT and ring["scalars"][:-1, 2].isfinite().all() and ring["scalars"][-1, 2].isnan()
 
 
-def test_update_clipping_never_waits_and_gives_the_blocking_weights(tmp_path, functional_watch):
+def test_update_clipping_never_waits_and_gives_the_blocking_weights(tmp_path):
     guard = SyncGuard(allowed=None, host_copies=True)
     options = dict(max_update_rms=4e-4, update_ratios="opt", update_every=4)
     model_b, opt_b, mon_b, rep_b, rec_b, _, _ = run(tmp_path, blocking=True, **options)

@@ -53,7 +53,7 @@ def options_of(name: str) -> dict:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["blocking=False", "fused_step"])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_every_option_never_waits_and_gives_the_blocking_monitors_results(tmp_path, functional_watch, name, fused):
+def test_every_option_never_waits_and_gives_the_blocking_monitors_results(tmp_path, name, fused):
     mode = dict(fused_step=True) if fused else {}
     if fused and name in FUSED_REFUSED:
         with pytest.raises(ValueError, match=FUSED_REFUSED[name]):

@@ -22,6 +22,14 @@ def test_demo_runs_and_catches_the_planted_faults(tmp_path, capsys):
             "output of layers.0.linear1 (1 NaN); non-finite gradients in ") in out
     assert "dead layers: 3 (32/32 units dead); the gradient reaching module 0's output is 100% zeros" in out
     assert "total norm (2):" in out
+    # the recommended configuration: the clip and the skip ride AdamW's step, decided on the
+    # device; gradfuse's step never read a value of the step on the host
+    assert "in opt.step() (statistics, clip, policies, the update) the host waited for the device 0 times " \
+           "in 30 steps; it read " in out
+    dump = tmp_path / "dumps" / "step10-explode.gfdump"
+    assert f"the flight recorder on the spike (python -m gradfuse explain {dump}):\nstep 10: explode" in out
+    assert dump.is_file() and main(["explain", str(dump)]) == 0
+    assert "grad_norm left its band first" in capsys.readouterr().out
     recs = read_jsonl(tmp_path / "run.jsonl")
     assert any(r["anomalies"] == ["nonfinite"] and r["skipped"] for r in recs)
     assert os.path.getsize(tmp_path / "gradflow.png") > 10_000
@@ -66,6 +74,7 @@ def test_demo_logs_the_exponent_heatmap_and_the_noise_scale(tmp_path, capsys):
         assert recs[skipped]["skipped"] and ns[skipped] == ns[skipped - 1], skipped
     assert ns[9] != ns[8] and ns[29] != ns[28]  # applied steps do move it
     assert result["noise_scale"] == pytest.approx(ns[-1])
+    assert result["host_reads"] == 0 and result["spike_dump"].endswith("step10-explode.gfdump")
     assert "gradient noise scale (2 accumulated micro-batches of 32): B_simple = " in out
     for key in ("exponents_picture", "noise_scale_picture"):
         assert os.path.getsize(result[key]) > 10_000
