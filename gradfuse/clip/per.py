@@ -87,11 +87,14 @@ def scale_rows_(grads: list[torch.Tensor], coefs: torch.Tensor) -> None:
 
 
 def clip_per_(s: GradStats, grads: list[torch.Tensor], max_norm: float, per: str,
-              layer_depth: int | None = None) -> GradStats:
+              layer_depth: int | None = None, skip: torch.Tensor | None = None) -> GradStats:
     """Scales each row of ``s`` (taken of ``grads``) by torch's coefficient of its own group:
-    ``clamp(max_norm / (norm + 1e-6), max=1)``. Returns ``s`` with a per-row ``clip_coef``."""
+    ``clamp(max_norm / (norm + 1e-6), max=1)``. Returns ``s`` with a per-row ``clip_coef``.
+    ``skip``: the step's device skip flag; a skipped step is left unscaled (coefficients 1)."""
     norms = group_norms(s, per, layer_depth)
     coefs = clip_coefficient(norms, max_norm)
+    if skip is not None:
+        coefs = torch.where(skip.to(coefs.device), torch.ones_like(coefs), coefs)
     scale_rows_(grads, coefs)
     out = s.replace(clip_coef=coefs, max_norm=max_norm)
     out.clip_per = per

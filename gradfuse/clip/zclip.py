@@ -222,6 +222,8 @@ class ZClip:
                 new_var = torch.where(spike, var, new_var)
             self._mean.copy_(kept(mean, new_mean))
             self._var.copy_(kept(var, new_var))
+        if skip is not None:  # a skipped step is left unscaled
+            coef = kept(torch.ones_like(coef), coef)
         if skip is not None and self.last_threshold is not None:
             threshold = kept(self.last_threshold.to(threshold.device, threshold.dtype), threshold)
         self.last_total_norm, self.last_threshold, self.last_clip_coef = g, threshold, coef

@@ -159,7 +159,7 @@ def monitor_clip_(s: GradStats, named_grads, mode: dict, max_norm_now, skip=None
             # rows follow the grouping; re-order the gradients to match them
             by_name = dict(zip(_names, grads))
             grads = [by_name[n] for n in s.names]
-        return clip_per_(s, grads, max_norm_now, mode["per"], mode.get("layer_depth"))
+        return clip_per_(s, grads, max_norm_now, mode["per"], mode.get("layer_depth"), skip)
     raise AssertionError("monitor_clip_: no mode")
 
 

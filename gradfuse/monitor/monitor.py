@@ -489,7 +489,7 @@ class GradMonitor:
         self._max_norm_now = max_norm
         return plan_step(self, self._watch, self._names_by_param, log_now=log_now, fused_unscale=fused_unscale,
                          max_norm=max_norm, bad_max_norm=bad_max_norm,
-                         needs_flag=self._needs_flag() and not self._defers, fused_step=self.fused_step)
+                         needs_flag=self._needs_flag(), fused_step=self.fused_step)
 
     def _apply_policies(self, plan: StepPlan, report: StepReport, capture, pending: Pending | None = None) -> Decision:
         """The anomalies of the step and what the policies make of them: the counters, the

@@ -102,8 +102,12 @@ class StepPlan:
         elif clip and self.ride:  # the coefficient only: the optimizer's step applies it (step_scale)
             s = (with_zclip_coefficient(s, self.max_norm, skip) if isinstance(self.max_norm, ZClip)
                  else with_clip_coefficient(s, self.max_norm))
-        elif clip and self.plain and not self.clip_now:
+        elif clip and self.plain and not self.clip_now and skip is None:
             s = self.watch.clip_to(s, self.max_norm)
+        elif clip and self.plain and not self.clip_now:  # a skipped step stays unclipped
+            kept = s.plain_total_norm  # (a NaN norm's coefficient would spread the NaN)
+            s = self.watch.clip_to(s.replace(total_norm=torch.where(skip, 0.0, kept)), self.max_norm)
+            s = s.replace(total_norm=kept)
         if clip and not self.plain and not self.value_now and not self.ride:  # the other modes
             s = clip_other_modes_(s, self.watch, self.max_norm, per=m.per, layer_depth=m.layer_depth,
                                   clip_value=m.clip_value, agc=m.agc, skip=skip)
