@@ -21,6 +21,12 @@ keeps; stage 0: the optimizer's step is not called and ``optimizer.overflow`` is
 DeepSpeed skips it its own way: ``engine.skipped_steps`` counts it and the LR scheduler does not
 advance.
 
+At stages 1 to 3 the monitor decides on the device by default (``blocking=False``): the element is
+written as ``where(flag, NaN, value)`` (``gradfuse.integrations.deepspeed_skip``), so gradfuse
+reads nothing before DeepSpeed's step, and the report, counters and records of a step are
+settled at the next one (``handle.monitor.settle()`` at once). Stage 0 decides on the host: the
+engine reads ``optimizer.overflow`` there before its step.
+
 The private accessors read here were checked against DeepSpeed ``TESTED_VERSIONS``; a DeepSpeed
 outside that range is refused, as are configurations whose gradients are elsewhere (optimizer or
 parameter offload, NVMe, the pipeline engine, MoE, model parallelism) or scaled (fp16).
@@ -38,6 +44,7 @@ import torch
 
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core.fragments import FragmentWatch, check_fragment_order
+from gradfuse.integrations.deepspeed_skip import OverflowPlant
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.utils import warn
 
@@ -262,8 +269,17 @@ class DeepSpeedAttachment:
             source = FragmentWatch([n for n, _ in named], [p for _, p in named], fragments, fragments.group,
                                    norm_type=norm_type)
         self._watch = source if isinstance(source, FragmentWatch) else None
+        # Stages 1-3: the skip is decided on the device and planted for DeepSpeed's overflow check.
+        blocking = kwargs.pop("blocking", None)
+        self._plant = None if self.stage == 0 or blocking is True else OverflowPlant(self._plant_nan)
+        if self._plant is not None:
+            kwargs.update(blocking=False, optimizer=self._plant)
+        elif blocking is False:
+            warn("gradfuse.attach: at ZeRO stage 0 the engine reads optimizer.overflow on the host before its "
+                 "step, so the monitor decides there as with blocking=True")
         self.monitor = GradMonitor(source, **kwargs)
         self.last_report: StepReport | None = None
+        self._unsettled = None  # (report, whether DeepSpeed skipped it) of the step settled next
         self._loss = None
         # DeepSpeed's clip: off while gradfuse clips (stage 0 reads the config, ZeRO its optimizer's copy).
         self._clips = kwargs.get("max_norm") is not None
@@ -312,7 +328,12 @@ class DeepSpeedAttachment:
     def _optimizer_step(self, inner, *args, **kwargs):
         loss, self._loss = self._loss, None
         report = self.monitor.step(loss=loss)
+        self._check_skipped()
         self.last_report = report
+        if self._plant is not None:  # decided on the device: DeepSpeed's step takes the flag
+            out = self._plant.step(inner, *args, **kwargs)
+            self._unsettled = (report, bool(getattr(self.optimizer, "overflow", False)))
+            return out
         if not report.skip:
             if self._own_overflow:
                 self.optimizer.overflow = False
@@ -328,25 +349,36 @@ class DeepSpeedAttachment:
             if planted is not None:
                 element, value = planted
                 element.copy_(value)
-        if not getattr(self.optimizer, "overflow", False):
-            raise RuntimeError("gradfuse: DeepSpeed did not skip the step gradfuse's policy skipped "
-                               "(its overflow check did not see the NaN gradients)")
+        self._unsettled = (report, bool(getattr(self.optimizer, "overflow", False)))
+        self._check_skipped()
         return out
 
-    def _plant_nan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sets one element of this rank's gradient fragments to NaN, for DeepSpeed's overflow
-        check (it and the norm are reduced over the ranks, so one element on any rank is seen by
-        all): the element (a 0-d view) and its value, to be put back after DeepSpeed's step. At
-        stage 3 the fragments are views of one buffer DeepSpeed keeps across steps, and a
-        parameter that gets no gradient next step would carry a NaN left there into every later
-        step. None where this rank holds no element."""
+    def _check_skipped(self) -> None:
+        """Raises if DeepSpeed took a step that gradfuse's policy skipped (read from the settled
+        report, and from DeepSpeed's own ``overflow`` after that step)."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is not None and unsettled[0].skip and not unsettled[1]:
+            raise RuntimeError(f"gradfuse: DeepSpeed did not skip step {unsettled[0].step}, which gradfuse's "
+                               "policy skipped (its overflow check did not see the NaN gradients)")
+
+    def _plant_nan(self, where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sets one element of this rank's gradient fragments to NaN (where the 0-d ``where`` is
+        nonzero, on the device: no host read), for DeepSpeed's overflow check (it and the norm
+        are reduced over the ranks, so one element on any rank is seen by all): the element (a
+        0-d view) and its value, to be put back after DeepSpeed's step. At stage 3 the fragments
+        are views of one buffer DeepSpeed keeps across steps, and a parameter that gets no
+        gradient next step would carry a NaN left there into every later step. None where this
+        rank holds no element."""
         _names, fragments = self._watch.named_grads()
         target = next((f for f in fragments if f.numel()), None)
         if target is None:
             return None
         element = target[(0,) * target.dim()]
         value = element.clone()
-        element.fill_(math.nan)
+        if where is None:
+            element.fill_(math.nan)
+        else:
+            element.copy_(torch.where(where.to(element.device) != 0, math.nan, value))
         return element, value
 
     @contextlib.contextmanager
@@ -412,8 +444,10 @@ class DeepSpeedAttachment:
         self._set_deepspeed_clip(self._ds_clip)
         if self._own_overflow and "overflow" in self.optimizer.__dict__:
             del self.optimizer.overflow
+        self.monitor.settle()
         if close:
             self.monitor.close()
+        self._check_skipped()
 
     def __enter__(self) -> DeepSpeedAttachment:
         return self

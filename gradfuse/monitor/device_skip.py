@@ -11,6 +11,8 @@ Which optimizers take it (``device_skip_kind``):
 - torch's ``Adam`` / ``AdamW`` with ``fused=True``, and ``SGD`` with ``fused=True`` and no
   momentum: ``found_inf``, as a ``GradScaler`` hands it (combined with the scaler's own); no host
   read on CUDA (torch's CPU kernels read it on the CPU, where nothing waits);
+- an object with ``takes_found_inf = True`` and torch's step hooks (DeepSpeed's
+  ``OverflowPlant``): ``found_inf`` alike, which its step plants for the engine's overflow check;
 - any other optimizer: none; the monitor reads its decision before the step.
 
 Torch's fused SGD with momentum is not among them: a skipped first step would leave its
@@ -27,10 +29,12 @@ from gradfuse.optim.fused import check_max_update_rms
 
 
 def device_skip_kind(optimizer) -> str | None:
-    """``"gradfuse.optim"``, ``"torch fused"`` or None: how ``optimizer``'s step takes a skip flag
-    on the device (see the module's table)."""
+    """``"gradfuse.optim"``, ``"torch fused"``, ``"found_inf"`` or None: how ``optimizer``'s step
+    takes a skip flag on the device (see the module's table)."""
     if isinstance(optimizer, FusedStep):
         return "gradfuse.optim"
+    if getattr(optimizer, "takes_found_inf", False) is True:
+        return "found_inf"
     groups = getattr(optimizer, "param_groups", None)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and groups and all(
             g.get("fused") for g in groups):

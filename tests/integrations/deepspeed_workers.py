@@ -174,7 +174,8 @@ def check_stage(stage, dtype, rank, world):
 
 def check_skip(G, handle, stage, rank, dtype):
     """A step the explosion policy skips is skipped DeepSpeed's way: weights unchanged,
-    engine.skipped_steps counts it; the next step trains again."""
+    engine.skipped_steps counts it; the next step trains again. Stages 1-3 decide on the device:
+    the report is settled by ``settle()``."""
     before, skipped = full_weights(G, stage), G.skipped_steps
     handle.monitor.explode_threshold, handle.monitor.on_explode = 1e-9, "skip"
     with warnings.catch_warnings():
@@ -183,6 +184,8 @@ def check_skip(G, handle, stage, rank, dtype):
             x, y = batch(50, micro, rank, dtype)
             G.backward(loss_of(G, x, y))
             G.step()
+        assert handle.last_report.settled == (stage == 0)
+        handle.monitor.settle()
     assert handle.last_report.skip and handle.last_report.anomalies == ["explode"]
     assert G.skipped_steps == skipped + 1 and handle.monitor.skipped_steps == 1
     after = full_weights(G, stage)
@@ -192,6 +195,7 @@ def check_skip(G, handle, stage, rank, dtype):
         x, y = batch(51, micro, rank, dtype)
         G.backward(loss_of(G, x, y))
         G.step()
+    handle.monitor.settle()
     assert not handle.last_report.skip and G.skipped_steps == skipped + 1
     moved = full_weights(G, stage)
     assert max((moved[n] - after[n]).abs().max().item() for n in moved) > 1e-4
@@ -330,28 +334,35 @@ SKIPPED = 2  # the step whose gradient gets a NaN on rank 0
 SPARE_STEPS = 5
 
 
-def check_skip_leaves_nothing(stage, dtype, rank, world):
+def check_skip_leaves_nothing(stage, dtype, rank, world, blocking=None):
     """A NaN in one gradient on one rank, one step: that step skipped on both ranks, every later
     step trains (the parameters that get no gradient included); the weights are those of a run in
-    which the step was never taken."""
+    which the step was never taken. Stages 1-3 decide on the device by default: gradfuse reads
+    nothing on the host in ``engine.step()``; stage 0 and ``blocking=True`` read the flag."""
     model = Spare()
     G, R = make_engine(stage, dtype, 0.0, model), make_engine(stage, dtype, 0.0, Spare())
     planted = {"on": False}
     model.body.weight.register_hook(lambda g: g * math.nan if planted["on"] else g)
-    handles = [gradfuse.attach(e, max_norm=MAX_NORM, on_nonfinite="skip", every=0) for e in (G, R)]
+    handles = [gradfuse.attach(e, max_norm=MAX_NORM, on_nonfinite="skip", every=0, blocking=blocking)
+               for e in (G, R)]
     start = full_weights(G, stage)
-    moved = []
+    moved, reads = [], 0
     for step in range(SPARE_STEPS):
         before = full_weights(G, stage)
         for micro in range(ACCUMULATE):
             planted["on"] = step == SKIPPED and micro == 0 and rank == 0
             G.backward(spare_loss(G, step, micro, rank))
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), gradfuse.HostReads() as counted:
                 warnings.simplefilter("ignore")  # the skip's own warning
                 G.step()
+            if step > 0:  # ZeRO-3's first step checks the partition layout once (a read per parameter)
+                reads += len(counted.reads_from(gradfuse))
             if step != SKIPPED:
                 R.backward(spare_loss(R, step, micro, rank))
                 R.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handles[0].monitor.settle()
         report, after = handles[0].last_report, full_weights(G, stage)
         if step == SKIPPED:
             assert report.skip and report.anomalies == ["nonfinite"], (step, report.anomalies)
@@ -361,6 +372,8 @@ def check_skip_leaves_nothing(stage, dtype, rank, world):
             assert not report.skip and report.anomalies == [], (step, report.anomalies)
             moved.append(max((after[n] - before[n]).abs().max().item() for n in after))
     assert G.skipped_steps == 1 and handles[0].monitor.skipped_steps == 1, G.skipped_steps
+    on_device = stage > 0 and blocking is not True
+    assert (reads == 0) if on_device else (reads >= SPARE_STEPS - 1), (stage, blocking, reads)
     assert R.skipped_steps == 0 and R.global_steps == SPARE_STEPS - 1
     assert min(moved) > 1e-4, moved  # every step but the skipped one trained
     ours, theirs = full_weights(G, stage), full_weights(R, stage)
@@ -374,6 +387,27 @@ def check_skip_leaves_nothing(stage, dtype, rank, world):
         handle.detach()
 
 
+def check_a_skip_deepspeed_did_not_take_raises(rank, world):
+    """Decided on the device, the skip reaches DeepSpeed as the planted NaN; were it not seen,
+    the step's settling says so (a RuntimeError naming the step) rather than train on silently."""
+    G = make_engine(2, torch.float32, 0.0)
+    handle = gradfuse.attach(G, max_norm=MAX_NORM, on_explode="skip", explode_threshold=1e-9, every=0)
+    handle._plant._plant = lambda flag: None  # a configuration whose overflow check sees nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for micro in range(ACCUMULATE):
+            x, y = batch(0, micro, rank)
+            G.backward(loss_of(G, x, y))
+            G.step()
+        try:
+            handle.detach()
+        except RuntimeError as e:
+            assert "DeepSpeed did not skip step 0" in str(e), e
+        else:
+            raise AssertionError("no RuntimeError")
+    assert G.skipped_steps == 0 and handle.monitor.skipped_steps == 1
+
+
 CHECKS = {
     **{f"stage{s}_fp32": functools.partial(check_stage, s, torch.float32) for s in (0, 1, 2, 3)},
     **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (0, 1, 2, 3)},
@@ -382,6 +416,9 @@ CHECKS = {
     **{f"skip_spare_stage{s}_fp32": functools.partial(check_skip_leaves_nothing, s, torch.float32)
        for s in (0, 1, 2, 3)},
     "skip_spare_stage3_bf16": functools.partial(check_skip_leaves_nothing, 3, torch.bfloat16),
+    "unseen_skip_raises": check_a_skip_deepspeed_did_not_take_raises,
+    "skip_spare_stage2_fp32_blocking": functools.partial(check_skip_leaves_nothing, 2, torch.float32,
+                                                         blocking=True),
 }
 
 
