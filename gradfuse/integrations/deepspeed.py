@@ -42,7 +42,6 @@ import types
 
 import torch
 
-from gradfuse.clip.zclip import ZClip
 from gradfuse.core.fragments import FragmentWatch, check_fragment_order
 from gradfuse.integrations.deepspeed_skip import OverflowPlant
 from gradfuse.monitor.monitor import GradMonitor, StepReport
@@ -61,9 +60,6 @@ REFUSED_OPTIONS = {
     "histogram": "the exponent histograms of fragments are not reduced across ranks",
     "clip_value": "the clamped-element counts of fragments are not reduced across ranks",
     "agc": "adaptive clipping needs each parameter's whole weight, which ZeRO-3 partitions",
-    "activations": "not supported with DeepSpeed yet",
-    "trace_nonfinite": "not supported with DeepSpeed yet",
-    "activation_modules": "not supported with DeepSpeed yet",
     "scaler": "DeepSpeed scales its own loss",
     "optimizer": "set by the attachment",
     "module": "set by the attachment",
@@ -245,9 +241,6 @@ class DeepSpeedAttachment:
         if getattr(recorder, "record_updates", False):
             raise ValueError("gradfuse.attach: FlightRecorder(record_updates=True) is not available on a DeepSpeed "
                              "engine: the optimizer's state is partitioned and wrapped by DeepSpeed")
-        if isinstance(monitor_kwargs.get("max_norm"), ZClip):
-            raise ValueError("gradfuse.attach: a ZClip max_norm is not supported with DeepSpeed yet; pass a number "
-                             "or a schedule")
         self.engine = engine
         self.stage = engine.zero_optimization_stage()
         self.optimizer = engine.optimizer
@@ -277,6 +270,8 @@ class DeepSpeedAttachment:
         elif blocking is False:
             warn("gradfuse.attach: at ZeRO stage 0 the engine reads optimizer.overflow on the host before its "
                  "step, so the monitor decides there as with blocking=True")
+        if kwargs.get("activations") or kwargs.get("trace_nonfinite"):  # forward hooks on the model
+            kwargs["module"] = engine.module
         self.monitor = GradMonitor(source, **kwargs)
         self.last_report: StepReport | None = None
         self._unsettled = None  # (report, whether DeepSpeed skipped it) of the step settled next

@@ -223,8 +223,7 @@ def check_options(rank, world):
     """What cannot be done on fragments refuses, naming the option; the flight recorder works."""
     engine = make_engine(2, torch.float32, 0.0)
     for kwargs, words in (({"noise_scale": True}, "noise_scale="), ({"histogram": True}, "histogram="),
-                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value="),
-                          ({"max_norm": gradfuse.ZClip()}, "ZClip")):
+                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value=")):
         try:
             gradfuse.attach(engine, **kwargs)
         except ValueError as e:
@@ -301,6 +300,90 @@ def check_per(rank, world):
         for name, p in model.named_parameters():
             torch.testing.assert_close(ours[name], p.detach(), rtol=1e-5, atol=1e-6)
             assert (p.detach() - make_model().get_parameter(name)).abs().max() > 1e-4  # moved
+
+
+def check_zclip(rank, world):
+    """A ZClip max_norm takes the full gradients' total norm (its warm-up, its EMA, a spike
+    clipped to its threshold) and scales the fragments: each step's coefficient and the weights
+    are those of plain SGD after the same ZClip of the averaged gradient."""
+    spike = 3  # the loss, and so the gradients, 30x: above the EMA's z threshold
+    for stage in (2, 3):
+        engine = make_engine(stage, torch.float32, 0.0)
+        zclip = gradfuse.ZClip(warmup_steps=2, z_thresh=2.0, max_grad_norm=1e3)
+        handle = gradfuse.attach(engine, max_norm=zclip, every=0)
+        model, reference = make_model(), gradfuse.ZClip(warmup_steps=2, z_thresh=2.0, max_grad_norm=1e3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        coefs = []
+        for step in range(5):
+            scale = 30.0 if step == spike else 1.0
+            for micro in range(ACCUMULATE):
+                x, y = batch(step, micro, rank)
+                engine.backward(loss_of(engine, x, y) * scale)
+                engine.step()
+            losses = [loss_of(model, *batch(step, m, r)) * scale for r in range(world) for m in range(ACCUMULATE)]
+            (sum(losses) / len(losses)).backward()
+            reference.step(model)
+            coef = reference.last_clip_coef
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.testing.assert_close(zclip.last_total_norm, reference.last_total_norm, rtol=1e-5, atol=0)
+            torch.testing.assert_close(zclip.last_clip_coef, coef, rtol=1e-5, atol=0)
+            coefs.append(float(coef))
+            ours = full_weights(engine, stage)
+            for name, p in model.named_parameters():  # float32 sums of the 30x gradients in another order
+                torch.testing.assert_close(ours[name], p.detach(), rtol=1e-5, atol=1e-5)
+        handle.detach()
+        assert all((p.detach() - make_model().get_parameter(n)).abs().max() > 1e-4 for n, p in model.named_parameters())
+        assert coefs[:2] == [1.0, 1.0] and coefs[spike] < 0.5, coefs  # the warm-up, then the spike clipped
+        assert zclip.steps == 5 and handle.monitor.counters()["clipped_steps"] == sum(c < 1 for c in coefs)
+
+
+def check_activations(rank, world):
+    """activations and trace_nonfinite are forward hooks on the engine's model: each logging
+    step's record has the rank's module outputs and the gradients into them (as the same monitor
+    on a plain copy of the model fed the rank's micro-batches gives them), and a NaN that enters
+    a forward on rank 0 is named there by its module, the step skipped on both ranks."""
+    nan_at = 2
+    for stage in (2, 3):
+        engine = make_engine(stage, torch.float32, 0.0)
+        log = f"{OUT_DIR}/activations{stage}.{rank}.jsonl"
+        handle = gradfuse.attach(engine, max_norm=MAX_NORM, activations=True, trace_nonfinite=True, every=2,
+                                 sinks=[gradfuse.JsonlSink(log)], sink_ranks="all")
+        plain = make_model()
+        alone = gradfuse.GradMonitor(plain, activations=True, every=2, sinks=[gradfuse.JsonlSink(log + ".plain")],
+                                     sink_ranks="all")
+        planted = {"on": False}
+        engine.module[2].register_forward_pre_hook(lambda _m, a: (a[0] * math.nan,) if planted["on"] else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the skip's own warning
+            for step in range(4):
+                for micro in range(ACCUMULATE):
+                    planted["on"] = step == nan_at and micro == 0 and rank == 0
+                    x, y = batch(step, micro, rank)
+                    engine.backward(loss_of(engine, x, y))
+                    engine.step()
+                    if step == 0:
+                        loss_of(plain, x, y).backward()
+                if step == 0:
+                    alone.step()
+                    alone.close()
+            handle.detach()
+        records = [json.loads(line) for line in open(log)]
+        reference = json.loads(open(log + ".plain").readline())
+        assert [r["step"] for r in records if "act" in r] == [0, 2], [r["step"] for r in records]
+        first = records[0]
+        assert set(first["act"]) == set(reference["act"]) >= {"0", "1", "2"}, first["act"].keys()
+        for module, row in reference["act"].items():
+            assert all(math.isclose(first["act"][module][k], v, rel_tol=1e-5, abs_tol=1e-7) for k, v in row.items()), \
+                (module, first["act"][module], row)
+        assert first["act_grad"] and set(first["act_grad"]) == set(reference["act_grad"])
+        assert handle.monitor.skipped_steps == 1 and engine.skipped_steps == 1
+        report = next(r for r in records if r["step"] == nan_at)
+        assert "nonfinite" in report["anomalies"], report
+        # named where it entered, module "2"'s output, on rank 0; rank 1's forward and backward were
+        # finite, its gradients non-finite from the reduction
+        assert report.get("first_nonfinite") == (["forward", "2"] if rank == 0 else None), report
+        assert "non-finite gradients in 4 parameter(s)" in report["message"], report["message"]
 
 
 class Spare(nn.Module):
@@ -413,6 +496,8 @@ CHECKS = {
     **{f"stage{s}_bf16": functools.partial(check_stage, s, torch.bfloat16) for s in (0, 1, 2, 3)},
     "options": check_options,
     "per": check_per,
+    "zclip": check_zclip,
+    "activations": check_activations,
     **{f"skip_spare_stage{s}_fp32": functools.partial(check_skip_leaves_nothing, s, torch.float32)
        for s in (0, 1, 2, 3)},
     "skip_spare_stage3_bf16": functools.partial(check_skip_leaves_nothing, 3, torch.bfloat16),
