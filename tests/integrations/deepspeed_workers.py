@@ -339,7 +339,7 @@ def check_zclip(rank, world):
 
 
 def check_activations(rank, world):
-    """activations and trace_nonfinite are forward hooks on the engine's model: each logging
+    """Activations and trace_nonfinite are forward hooks on the engine's model: each logging
     step's record has the rank's module outputs and the gradients into them (as the same monitor
     on a plain copy of the model fed the rank's micro-batches gives them), and a NaN that enters
     a forward on rank 0 is named there by its module, the step skipped on both ranks."""
