@@ -339,7 +339,7 @@ def check_zclip(rank, world):
 
 
 def check_activations(rank, world):
-    """Activations and trace_nonfinite are forward hooks on the engine's model: each logging
+    """The activations and the NaN trace are hooks on the engine's model: each logging
     step's record has the rank's module outputs and the gradients into them (as the same monitor
     on a plain copy of the model fed the rank's micro-batches gives them), and a NaN that enters
     a forward on rank 0 is named there by its module, the step skipped on both ranks."""
@@ -353,7 +353,8 @@ def check_activations(rank, world):
         alone = gradfuse.GradMonitor(plain, activations=True, every=2, sinks=[gradfuse.JsonlSink(log + ".plain")],
                                      sink_ranks="all")
         planted = {"on": False}
-        engine.module[2].register_forward_pre_hook(lambda _m, a: (a[0] * math.nan,) if planted["on"] else None)
+        engine.module[2].register_forward_pre_hook(
+            lambda _m, a, planted=planted: (a[0] * math.nan,) if planted["on"] else None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the skip's own warning
             for step in range(4):
