@@ -163,6 +163,24 @@ def test_accelerate_scaler_is_taken_and_its_bookkeeping_kept():
         GradientState._reset_state()
 
 
+
+def train_with_a_nan_at_step_2(accelerator, model, opt, sched):
+    """Four steps of a prepared loop, a NaN in step 2's input: the learning rate after each
+    step, and whether the step changed the weights."""
+    lrs, taken = [], []
+    for i in range(4):
+        x = torch.randn(3, 4)
+        if i == 2:
+            x[0, 0] = math.nan
+        before = model.weight.detach().clone()
+        accelerator.backward(model(x).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+        taken.append(not torch.equal(before, model.weight))
+    return lrs, taken
+
 def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
     """accelerator.prepare(model, optimizer, scheduler): a step gradfuse skips (non-finite
     gradients) is not taken, and accelerate's scheduler, which steps only when the optimizer's
@@ -178,18 +196,7 @@ def test_a_skipped_step_does_not_advance_the_prepared_scheduler():
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
         model, opt, sched = accelerator.prepare(model, opt, sched)
         handle = gradfuse.attach(opt, model, every=0, on_nonfinite="skip")
-        lrs, taken = [], []
-        for i in range(4):
-            x = torch.randn(3, 4)
-            if i == 2:
-                x[0, 0] = math.nan
-            before = model.weight.detach().clone()
-            accelerator.backward(model(x).sum())
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            lrs.append(sched.get_last_lr()[0])
-            taken.append(not torch.equal(before, model.weight))
+        lrs, taken = train_with_a_nan_at_step_2(accelerator, model, opt, sched)
         assert taken == [True, True, False, True] and handle.monitor.skipped_steps == 1
         assert lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
         assert not opt.step_was_skipped  # the last step was taken
@@ -218,20 +225,9 @@ def test_with_an_optimizer_that_skips_on_the_device(blocking):
         model, opt, sched = accelerator.prepare(model, opt, sched)
         handle = gradfuse.attach(opt, model, every=0, on_nonfinite="skip",
                                  **({} if blocking is None else {"blocking": blocking}))
-        lrs, taken = [], []
         guard = SyncGuard(allowed=None, host_copies=True)
         with pytest.warns(RuntimeWarning, match="gradfuse step 2: optimizer step skipped"), guard:
-            for i in range(4):
-                x = torch.randn(3, 4)
-                if i == 2:
-                    x[0, 0] = math.nan
-                before = model.weight.detach().clone()
-                accelerator.backward(model(x).sum())
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                lrs.append(sched.get_last_lr()[0])
-                taken.append(not torch.equal(before, model.weight))
+            lrs, taken = train_with_a_nan_at_step_2(accelerator, model, opt, sched)
             handle.detach()
         assert taken == [True, True, False, True] and handle.monitor.skipped_steps == 1
         assert handle.monitor._defers is (blocking is False)
