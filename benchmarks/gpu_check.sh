@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh
 # builds gradfuse against that machine's torch, runs the CUDA tests, runs the CUDA benchmark
 # (GPT-2 small and 10 000 small tensors in fp32 and bf16, plus an 8 GB set), with the copy and
-# read bandwidth measured in the same run, and prints a short table last. Full logs go to $OUT
+# read bandwidth measured in the same run, times the whole step with everything on and never
+# waiting (benchmarks/never_waits.py), and prints a short table last. Full logs go to $OUT
 # when it is set (the device tool), else build/gpu_check/. Budget: under 8 minutes.
 # Needs only what the GPU machine has (Python 3.12, torch 2.11.0+cu130, nvcc 13, ninja,
 # setuptools >= 77; no network): scripts/version_matrix.py runs this exact build command in its
@@ -42,7 +43,14 @@ timeout 240 $PY -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
 bench_rc=$?
 tail -n 5 "$LOGS/bench.log"
 
+stamp "everything on, never waiting"
+# The recommended configuration's whole step against torch's clipped step and the default
+# monitor, with gradfuse's host reads per step counted (0 expected for the never-waiting one).
+timeout 90 $PY benchmarks/never_waits.py --device cuda > "$LOGS/never_waits.log" 2>&1
+never_rc=$?
+tail -n 6 "$LOGS/never_waits.log"
+
 stamp "summary"
 $PY benchmarks/summarize.py "$LOGS/bench.json" -o "$LOGS/table.md" --png "$LOGS/chart.png" && cat "$LOGS/table.md"
-echo "tests exit $tests_rc, benchmark exit $bench_rc, $(( $(date +%s) - t0 ))s in all"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "tests exit $tests_rc, benchmark exit $bench_rc, never-waiting step exit $never_rc, $(( $(date +%s) - t0 ))s in all"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$never_rc" = 0 ]

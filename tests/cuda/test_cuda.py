@@ -406,3 +406,52 @@ def test_nonblocking_monitor_never_syncs_and_skips_on_the_device():
     assert [r.step for r in reports if r.skip] == [7, 19]
     assert monitor.counters()["skipped_steps"] == 2
     assert float(opt.state_dict()["state"][0]["step"]) == 28
+
+
+def test_everything_on_never_syncs_on_the_device(tmp_path):
+    """The recommended configuration (the demo's: histograms, activations, the NaN trace, noise
+    scale, update ratios, the flight recorder with updates, a JSONL sink, the clip riding
+    gradfuse.optim's AdamW, blocking=False) under torch's sync debug mode "error": 24 steps of two
+    micro-batches, a NaN planted in a forward and an explosion, skipped on the device, the NaN
+    traced to its module; records written from the host copies."""
+    import json
+
+    import gradfuse.optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+    opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-3)
+    log = tmp_path / "run.jsonl"
+    monitor = gradfuse.GradMonitor(
+        model, max_norm=1.0, every=4, explode_threshold=1e4, on_explode="skip", optimizer=opt, blocking=False,
+        fused_step=True, histogram=True, activations=True, trace_nonfinite=True, noise_scale=True,
+        update_ratios=opt, sinks=[gradfuse.JsonlSink(log)], check_double_clip=False,  # the planted explosion
+        recorder=gradfuse.FlightRecorder(optimizer=opt, record_updates=True, dump_dir=tmp_path / "dumps"))
+    nan_at, explode_at = 9, 17
+    planted = {"on": False}
+    model[2].register_forward_pre_hook(lambda _m, a: (a[0] * math.nan,) if planted["on"] else None)
+    xs = torch.randn(24, 2, 16, 64, device="cuda")
+    torch.cuda.synchronize()
+    reports = []
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(24):
+                for micro in range(2):
+                    planted["on"] = step == nan_at and micro == 0
+                    (model(xs[step, micro]).square().mean() / 2).backward()
+                    monitor.micro_step()
+                if step == explode_at:
+                    torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
+                reports.append(monitor.step())
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monitor.close()
+    assert [r.step for r in reports if r.skip] == [nan_at, explode_at]
+    assert reports[nan_at].first_nonfinite == ("forward", "2")
+    assert float(opt.state_dict()["state"][0]["step"]) == 22
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = [r for r in records if r["step"] % 4 == 0]
+    assert logged and all(r["act"] and r["exponents"] and r["update_ratio"] for r in logged)

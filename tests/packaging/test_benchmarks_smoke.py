@@ -132,3 +132,18 @@ def test_full_health_bench_smoke():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("torch clip", "monitor (clip)", "full health", "full health, gradfuse.optim"):
         assert f"| {name} | " in proc.stdout, proc.stdout
+
+
+def test_never_waits_bench_smoke():
+    """benchmarks/never_waits.py on a one-layer transformer (one step, not a timing): every
+    variant, and gradfuse's host reads per step: one for the default monitor's decision, none
+    with everything on and never waiting."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "never_waits.py"), "--steps", "1",
+                           "--layers", "1", "--width", "32", "--seq", "8", "--batch", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[-1]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["torch clip"] == "0.0" and rows["monitor (default)"] == "1.0", rows
+    assert rows["everything, never waiting"] == "0.0", rows
