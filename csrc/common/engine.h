@@ -161,10 +161,17 @@ inline void check_update_args(at::TensorList params, at::TensorList grads, at::T
   check_table(params, hyper, kNumHyper, "hyper", op);
 }
 
+// Whether multi_tensor_optim_step_'s grad_scale is one per tensor (float64 [n], n > 1) rather
+// than one for all (one element).
+inline bool grad_scale_per_tensor(const std::optional<at::Tensor>& grad_scale, int64_t n) {
+  return grad_scale.has_value() && n > 1 && grad_scale->scalar_type() == at::kDouble && grad_scale->dim() == 1 &&
+         grad_scale->size(0) == n;
+}
+
 // The arguments of multi_tensor_optim_step_: the lists as the update ops take them, with Adam's
 // two moments present for every non-empty parameter; the table float64 [n, kNumStepCoefs]; a
-// gradient scale and a skip flag of one element each, and update coefficients float64 [n], all
-// on the parameters' device where given.
+// gradient scale of one element or float64 [n], a skip flag of one element, and update
+// coefficients float64 [n], all on the parameters' device where given.
 inline void check_step_args(at::TensorList params, at::TensorList grads, at::TensorList moment1,
                             at::TensorList moment2, at::TensorList moment2_max, const at::Tensor& coefs,
                             int64_t rule, const std::optional<at::Tensor>& grad_scale,
@@ -181,11 +188,12 @@ inline void check_step_args(at::TensorList params, at::TensorList grads, at::Ten
                   describe_tensor(moment1[i]), " and ", describe_tensor(moment2[i]));
     }
   }
-  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>&>{"grad_scale", grad_scale},
-                                {"skip", skip}}) {
-    TORCH_CHECK(!t.has_value() || (t->numel() == 1 && t->device() == device), op, ": ", name,
-                " must be a one-element tensor on ", device, ", got ", describe_tensor(*t));
-  }
+  TORCH_CHECK(!grad_scale.has_value() ||
+                  ((grad_scale->numel() == 1 || grad_scale_per_tensor(grad_scale, n)) && grad_scale->device() == device),
+              op, ": grad_scale must be a one-element tensor or a float64 [", n, "] tensor on ", device, ", got ",
+              describe_tensor(*grad_scale));
+  TORCH_CHECK(!skip.has_value() || (skip->numel() == 1 && skip->device() == device), op,
+              ": skip must be a one-element tensor on ", device, ", got ", describe_tensor(*skip));
   TORCH_CHECK(!grad_scale.has_value() || at::isFloatingType(grad_scale->scalar_type()), op,
               ": grad_scale must be a floating-point tensor, got ", describe_tensor(*grad_scale));
   TORCH_CHECK(!update_coefs.has_value() || (update_coefs->scalar_type() == at::kDouble && update_coefs->dim() == 1 &&

@@ -75,6 +75,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
   UpdateGroup grp = update_group(params, grads, moment1, moment2, moment2_max);
   const auto dtype = params[0].scalar_type();
   const at::Tensor update_dense = update_coefs.has_value() ? update_coefs->contiguous() : at::Tensor();
+  const bool per_tensor = grad_scale_per_tensor(grad_scale, n);
+  const at::Tensor scales = per_tensor ? grad_scale->contiguous() : at::Tensor();
   const StepArgs args{grp.params.data(),
                       grp.grads.data(),
                       grp.moment1.data(),
@@ -87,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_cpu(
                       static_cast<UpdateRule>(rule),
                       torch_threads,
                       grad_scale.has_value(),
-                      grad_scale.has_value() ? grad_scale->to(at::kDouble).item<double>() : 1.0,
+                      grad_scale.has_value() && !per_tensor ? grad_scale->to(at::kDouble).item<double>() : 1.0,
+                      per_tensor ? scales.const_data_ptr<double>() : nullptr,
                       update_coefs.has_value() ? update_dense.const_data_ptr<double>() : nullptr,
                       write,
                       step_torch_sqrt() ? torch_sqrt_f32 : nullptr,

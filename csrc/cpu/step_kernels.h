@@ -26,8 +26,9 @@ struct StepArgs {
   c10::ScalarType dtype;
   UpdateRule rule;
   int64_t torch_threads;       // TorchTail: the thread count of the torch step reproduced; 0: none
-  bool scale_grads;            // every gradient times grad_scale as read (rounded to its dtype)
-  double grad_scale;
+  bool scale_grads;            // every gradient times its scale as read (rounded to its dtype)
+  double grad_scale;           // the scale of every tensor, unless grad_scales is given
+  const double* grad_scales;   // [num_tensors] or null: tensor t's scale
   const double* update_coefs;  // [num_tensors] or null: the update of tensor t times update_coefs[t] when < 1
   bool write;                  // false: the statistics only, nothing written
   // torch's float / double sqrt where it is MKL's (x86 builds of torch), else null: a correctly

@@ -529,8 +529,9 @@ void step_chunk(const StepArgs& a, const StepParams<scalar_t, step_acc_of<scalar
                 int64_t t, int64_t offset, int64_t n, UpdateAcc<step_acc_of<scalar_t>>* row) {
   using acc_t = step_acc_of<scalar_t>;
   const double uc = a.update_coefs ? a.update_coefs[t] : 1.0;
+  const double gs = a.grad_scales ? a.grad_scales[t] : a.grad_scale;
   const ChunkCtx<scalar_t> c{a, h, tail, a.params[t].numel, offset, a.scale_grads, a.update_coefs && clips_update(uc),
-                             a.write, canonical_nan(static_cast<acc_t>(a.grad_scale)), static_cast<acc_t>(uc)};
+                             a.write, canonical_nan(static_cast<acc_t>(gs)), static_cast<acc_t>(uc)};
   scalar_t* w = span_at<scalar_t>(a.params[t], offset);
   const scalar_t* g = span_at<scalar_t>(a.grads[t], offset);
   ChunkFinish<scalar_t, kStats> fin(c, rule == UpdateRule::kAdam, row);

@@ -297,7 +297,10 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_on(
   }
   // The scale and the flag as float64 on the device (no copy when they are already), read by the
   // kernels: the host never reads them.
-  const at::Tensor scale = grad_scale.has_value() ? grad_scale->reshape({}).to(at::kDouble) : at::Tensor();
+  const bool per_tensor = grad_scale_per_tensor(grad_scale, n);
+  const at::Tensor scale = !grad_scale.has_value() ? at::Tensor()
+                           : per_tensor            ? grad_scale->contiguous()
+                                                   : grad_scale->reshape({}).to(at::kDouble);
   const at::Tensor flag = skip.has_value() ? skip->reshape({}).to(at::kDouble) : at::Tensor();
   const at::Tensor ucoefs = update_coefs.has_value() ? update_coefs->contiguous() : at::Tensor();
   const auto pointer = [](const at::Tensor& t) { return t.defined() ? t.template const_data_ptr<double>() : nullptr; };
@@ -305,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_optim_step_on(
   dispatch_float(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     launch_optim_step<scalar_t>(group.spans, group.plan, static_cast<UpdateRule>(rule), coefs.const_data_ptr<double>(),
-                                pointer(scale), pointer(flag), pointer(ucoefs), write,
+                                pointer(scale), per_tensor, pointer(flag), pointer(ucoefs), write,
                                 stats ? static_cast<acc_of<scalar_t>*>(part_f.data_ptr()) : nullptr,
                                 stats ? part_c.template data_ptr<int64_t>() : nullptr,
                                 stats ? out_f.template data_ptr<double>() : nullptr,

@@ -142,7 +142,8 @@ struct StepOp {
   using Params = StepParams<scalar_t, acc_t>;
   using Acc = StepElementAcc<acc_t, kRule>;
   const double* coefs;         // [n, kNumStepCoefs], row = the tensor's index in the call
-  const double* grad_scale;    // one element, or null: no scale
+  const double* grad_scale;    // one element (or one per tensor), or null: no scale
+  bool scale_per_tensor;       // grad_scale is [n], row = the tensor's index in the call
   const double* skip;          // one element, or null: no flag
   const double* update_coefs;  // [n], or null
   bool write;                  // false: the statistics only
@@ -160,7 +161,7 @@ struct StepOp {
     const int64_t row = result_row(table, it);
     const Params h = Params::from_row(coefs + row * kNumStepCoefs, kRule);
     b.scaled = grad_scale != nullptr;
-    b.scale = b.scaled ? static_cast<acc_t>(*grad_scale) : acc_t(1);
+    b.scale = b.scaled ? static_cast<acc_t>(grad_scale[scale_per_tensor ? row : 0]) : acc_t(1);
     const double coef = update_coefs != nullptr ? update_coefs[row] : 1.0;
     b.clip = update_coefs != nullptr && clips_update(coef);
     b.coef = static_cast<acc_t>(coef);
@@ -302,13 +303,13 @@ struct StepOp {
 
 // ---- Host side
 
-// The step of every tensor (rule: its row of `coefs`). grad_scale, skip, update_coefs: device
-// pointers or null. stats: part_f/part_c hold a row per chunk of the plan, out_f/out_c one per
+// The step of every tensor (rule: its row of `coefs`). grad_scale (one element, or [n] with
+// scale_per_tensor), skip, update_coefs: device pointers or null. stats: part_f/part_c hold a row per chunk of the plan, out_f/out_c one per
 // tensor (else all null).
 template <typename scalar_t, typename Stream>
 void launch_optim_step(const std::vector<ListSpan<kUpdateLists>>& spans, const ChunkPlan& plan, UpdateRule rule,
-                       const double* coefs, const double* grad_scale, const double* skip, const double* update_coefs,
-                       bool write, acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c,
+                       const double* coefs, const double* grad_scale, bool scale_per_tensor, const double* skip,
+                       const double* update_coefs, bool write, acc_of<scalar_t>* part_f, int64_t* part_c, double* out_f, int64_t* out_c,
                        Stream stream) {
   using acc_t = acc_of<scalar_t>;
   const bool stats = out_f != nullptr;
@@ -316,12 +317,13 @@ void launch_optim_step(const std::vector<ListSpan<kUpdateLists>>& spans, const C
     const auto launch = [&](auto rule_tag) {
       constexpr UpdateRule kRule = decltype(rule_tag)::value;
       if (stats) {
-        launch_items(table, StepOp<scalar_t, kRule, true>{coefs, grad_scale, skip, update_coefs, write, part_f, part_c},
+        launch_items(table, StepOp<scalar_t, kRule, true>{coefs, grad_scale, scale_per_tensor, skip, update_coefs, write,
+                                                           part_f, part_c},
                      stream);
         launch_finalize<acc_t, UpdateAcc>(table, part_f, part_c, nullptr, out_f, out_c, nullptr, stream);
       } else {
-        launch_items(table, StepOp<scalar_t, kRule, false>{coefs, grad_scale, skip, update_coefs, write, nullptr,
-                                                           nullptr},
+        launch_items(table, StepOp<scalar_t, kRule, false>{coefs, grad_scale, scale_per_tensor, skip, update_coefs,
+                                                            write, nullptr, nullptr},
                      stream);
       }
     };

@@ -191,8 +191,9 @@ def multi_tensor_optim_step_(params: list[torch.Tensor], grads: list[torch.Tenso
     scalars torch's step forms in Python. ``torch_threads``: torch's thread count for the step
     being reproduced (a 16-bit ``add`` with alpha rounds differently in torch's scalar tails;
     0: none, the only value on CUDA, whose kernels have no such tails). Optional, each on the
-    device: ``grad_scale`` multiplies every gradient as it is read
-    (rounded to its dtype, as a scaling pass would; ``p.grad`` itself is not changed), ``skip``
+    device: ``grad_scale`` (one element, or float64 ``[n]``: one per parameter) multiplies every
+    gradient as it is read (rounded to its dtype, as a scaling pass would; ``p.grad`` itself is
+    not changed), ``skip``
     (nonzero: nothing is written), ``update_coefs`` (float64 ``[n]``: the update of parameter i
     times ``update_coefs[i]`` where that is below 1). ``stats``: also returns the rows of
     ``multi_tensor_update_stats`` for this step (else ``[0, k]`` tensors); ``write=False``: the

@@ -41,15 +41,25 @@ def check_step_inputs(op: str, params, grads, moment1, moment2, moment2_max, coe
             if params[i].numel() and not (moment1[i].numel() and moment2[i].numel()):
                 raise RuntimeError(f"{op}: Adam's step needs moment1[{i}] and moment2[{i}] (exp_avg, exp_avg_sq), "
                                    f"got {describe(moment1[i])} and {describe(moment2[i])}")
-    for name, t in (("grad_scale", grad_scale), ("skip", skip)):
-        if t is not None and not (t.numel() == 1 and t.device == device):
-            raise RuntimeError(f"{op}: {name} must be a one-element tensor on {device}, got {describe(t)}")
+    if grad_scale is not None and not ((grad_scale.numel() == 1 or grad_scale_per_tensor(grad_scale, n))
+                                       and grad_scale.device == device):
+        raise RuntimeError(f"{op}: grad_scale must be a one-element tensor or a float64 [{n}] tensor on {device}, "
+                           f"got {describe(grad_scale)}")
+    if skip is not None and not (skip.numel() == 1 and skip.device == device):
+        raise RuntimeError(f"{op}: skip must be a one-element tensor on {device}, got {describe(skip)}")
     if grad_scale is not None and not grad_scale.is_floating_point():
         raise RuntimeError(f"{op}: grad_scale must be a floating-point tensor, got {describe(grad_scale)}")
     if update_coefs is not None and not (update_coefs.dtype == torch.float64 and update_coefs.dim() == 1
                                          and update_coefs.shape[0] == n and update_coefs.device == device):
         raise RuntimeError(f"{op}: update_coefs must be a float64 [{n}] tensor on {device}, got "
                            f"{describe(update_coefs)}")
+
+
+def grad_scale_per_tensor(grad_scale: torch.Tensor | None, n: int) -> bool:
+    """Whether the step's ``grad_scale`` is one per tensor (float64 ``[n]``, n > 1) rather than one
+    for all."""
+    return (grad_scale is not None and n > 1 and grad_scale.dtype == torch.float64 and grad_scale.dim() == 1
+            and grad_scale.shape[0] == n)
 
 
 def _step_one(rule: int, row: dict, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -105,7 +115,8 @@ def multi_tensor_optim_step_(params, grads, moment1, moment2, moment2_max, coefs
     if n == 0 or not (write or stats):
         return floats, counts
     table = coefs.tolist()
-    scale = None if grad_scale is None else float(grad_scale.reshape(()).item())
+    scales = (None if grad_scale is None else grad_scale.tolist() if grad_scale_per_tensor(grad_scale, n)
+              else [float(grad_scale.reshape(()).item())] * n)
     ucoefs = None if update_coefs is None else update_coefs.tolist()
     for i in range(n):
         row = dict(zip(STEP_COLUMNS, table[i]))
@@ -116,8 +127,8 @@ def multi_tensor_optim_step_(params, grads, moment1, moment2, moment2_max, coefs
         v = moment2[i] if write else moment2[i].clone()
         x = moment2_max[i] if write else moment2_max[i].clone()
         acc = torch.float64 if p.dtype == torch.float64 else torch.float32  # the kernels' arithmetic
-        if scale is not None:
-            g = (g.to(acc) * torch.tensor(scale, dtype=acc)).to(g.dtype)
+        if scales is not None:
+            g = (g.to(acc) * torch.tensor(scales[i], dtype=acc)).to(g.dtype)
         before = w.clone()
         buf, root = _step_one(rule, row, w, g, m, v, x)
         if ucoefs is not None and ucoefs[i] < 1:

@@ -234,6 +234,7 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
         lists.rows = [row]
         lists.originals = [lp, *state]
     threads = torch.get_num_threads()
+    positions = per_parameter_positions(optimizer, grad_scale)
     out, out_coefs = [], []
     for lists in groups.values():
         device = lists.params[0].device
@@ -241,6 +242,9 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
         if device.type != "cpu":
             coefs = coefs.pin_memory().to(device, non_blocking=True)
         scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+        if positions is not None:  # this group's scales, in its order
+            where = torch.tensor([positions[id(p)] for p in lists.users], device="cpu")
+            scale = scale.index_select(0, where.to(device, non_blocking=True))
         args = (lists.params, lists.grads, lists.m, lists.v, lists.v_max, coefs, rule,
                 threads if device.type == "cpu" else 0)
         update_coefs = None
@@ -260,6 +264,18 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
     if skip is not None and (made.entries or made.steps):  # the host hears of the flag at the next step
         optimizer._pending_skip = (HostCopy([skip.reshape(())]), made)
     return out, out_coefs
+
+
+def per_parameter_positions(optimizer, grad_scale: torch.Tensor | None) -> dict[int, int] | None:
+    """Each parameter's index in ``grad_scale`` when it holds one scale per parameter (float64
+    ``[N]``, in ``param_groups`` order); None for one scale for all."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if grad_scale is None or grad_scale.numel() == 1:
+        return None
+    if not (grad_scale.dtype == torch.float64 and grad_scale.dim() == 1 and grad_scale.shape[0] == len(params)):
+        raise ValueError(f"grad_scale must be one element or float64 [{len(params)}] (one per parameter, in "
+                         f"param_groups order), got {grad_scale.dtype} {list(grad_scale.shape)}")
+    return {id(p): i for i, p in enumerate(params)}
 
 
 def _table(rows: list[list[float]]) -> torch.Tensor:

@@ -91,7 +91,9 @@ class FusedStep:
             closure (Callable, optional): Re-evaluates the model and returns the loss.
             grad_scale (torch.Tensor, optional): One element: every gradient is multiplied by it as
                 it is read (rounded to the gradient's dtype, as ``p.grad.mul_(grad_scale)`` before
-                the step would round it). ``p.grad`` itself keeps its value.
+                the step would round it). ``p.grad`` itself keeps its value. Or float64 ``[N]``,
+                one scale per parameter in ``param_groups`` order (a per-layer clip's
+                coefficients), each gradient times its own.
             skip (torch.Tensor, optional): One element, read on the device only; nonzero: the step
                 is not taken: weights and state are not written, and the step counters (kept on
                 the host, as torch keeps them) and a first step's state are set back when the

@@ -267,7 +267,16 @@ OPTIONS = {
     "skipped": dict(skip=torch.tensor(1)),
     "skipped_nan": dict(skip=torch.tensor(math.nan)),
     "skipped_bool": dict(skip=torch.tensor([True]), update_coefs="mixed"),
+    "scale_per_tensor": dict(grad_scale="per tensor"),
+    "scale_per_tensor_coefs": dict(grad_scale="per tensor", update_coefs="mixed"),
 }
+
+
+def per_tensor_scales(n):
+    """One gradient scale per tensor, 0.25 to 1.5, every fourth 1."""
+    scales = 0.25 + torch.rand(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 1.25
+    scales[::4] = 1.0
+    return scales
 
 
 def mixed_coefs(n):
@@ -290,6 +299,8 @@ def test_step_options(emu, config, option, stats):
     options = dict(OPTIONS[option], stats=stats)
     if options.get("update_coefs") == "mixed":
         options["update_coefs"] = mixed_coefs(len(params))
+    if options.get("grad_scale") == "per tensor":
+        options["grad_scale"] = per_tensor_scales(len(params))
     got, (f, c) = assert_same_step(emu, [params, *state], coefs, rule, f"{config}, {option}", **options)
     if option.startswith(("skipped", "write_false")):
         for lst, before in zip(got, [params, *state]):
@@ -386,6 +397,7 @@ def test_step_argument_checks(emu):
         "grads shape": ((params, [grads[0], torch.randn(4)], *state, empty, coefs, rule), {}),
         "grad_scale elements": (good, dict(grad_scale=torch.ones(2))),
         "grad_scale dtype": (good, dict(grad_scale=torch.tensor(2))),
+        "grad_scale length": (good, dict(grad_scale=torch.ones(3, dtype=torch.float64))),
         "skip elements": (good, dict(skip=torch.zeros(3))),
         "update_coefs dtype": (good, dict(update_coefs=torch.ones(2))),
         "update_coefs length": (good, dict(update_coefs=torch.ones(3, dtype=torch.float64))),

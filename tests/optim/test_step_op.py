@@ -44,6 +44,41 @@ def test_grad_scale_is_a_scaling_pass_before_the_step(name, kwargs, dtype):
         assert torch.equal(y.grad, g)  # p.grad keeps its value
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, kwargs", [("SGD", dict(lr=0.1, momentum=0.9)), ("AdamW", dict(lr=1e-2))])
+def test_a_scale_per_parameter_is_a_per_tensor_scaling_pass_before_the_step(name, kwargs, dtype):
+    a, b = _model(dtype), _model(dtype)
+    # two groups, so that a group's scales are picked out of the whole list in param_groups order
+    torch_opt = getattr(torch.optim, name)([{"params": a[1:]}, {"params": a[:1], "lr": 0.03}], **kwargs)
+    fused_opt = getattr(gradfuse.optim, name)([{"params": b[1:]}, {"params": b[:1], "lr": 0.03}], **kwargs)
+    scales = torch.tensor([0.37, 1.0, 0.011], dtype=torch.float64)  # b[1], b[2], b[0]
+    grads_before = [p.grad.clone() for p in b]
+    ops.multi_tensor_scale_per_tensor_([p.grad for p in (a[1], a[2], a[0])], scales, conditional=False)
+    assert not torch.equal(a[0].grad, grads_before[0]) and torch.equal(a[2].grad, grads_before[2])
+    torch_opt.step()
+    fused_opt.step(grad_scale=scales)
+    for x, y, g in zip(a, b, grads_before):
+        assert same_bits(x.detach(), y.detach())
+        assert torch.equal(y.grad, g)
+    with pytest.raises(ValueError, match=r"grad_scale must be one element or float64 \[3\]"):
+        fused_opt.step(grad_scale=scales[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_the_op_takes_a_scale_per_tensor_as_the_reference(name, dtype):
+    kw = dict(grad_scale=torch.tensor([0.5, 1.0, 3e-3], dtype=torch.float64),
+              update_coefs=torch.tensor([1.0, 0.5, 1.0], dtype=torch.float64), stats=True)
+    got = _call(ops.multi_tensor_optim_step_, name, dtype, threads=torch.get_num_threads(), **kw)
+    want = _call(step_reference.multi_tensor_optim_step_, name, dtype, **kw)
+    unscaled = _call(step_reference.multi_tensor_optim_step_, name, dtype, stats=True)
+    assert not torch.equal(want[0][2], unscaled[0][2])  # the third tensor's scale changed its step
+    for k in (0, 1, 2, 3):
+        assert all(same_bits(x, y) for x, y in zip(got[k], want[k]))
+    torch.testing.assert_close(got[4][0], want[4][0], rtol=1e-5 if dtype in (torch.float32, torch.float64) else 1e-2,
+                               atol=0)
+
+
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
 def test_skip_leaves_everything_as_it_was(name):
     _, b, _, opt = _pair(name, torch.float32, lr=0.1, **({"momentum": 0.9} if name == "SGD" else {}))
@@ -118,6 +153,8 @@ def test_write_false_changes_nothing_and_gives_the_same_rows():
      r"coefs must be a contiguous float64 \[3, 12\]"),
     (lambda a: a.__setitem__(6, 2), "rule must be 0"),
     (lambda a: a.__setitem__(2, [torch.empty(0)] * 3), r"Adam's step needs moment1\[0\]"),
+    (lambda a: a.append(torch.ones(2, dtype=torch.float64)),
+     r"grad_scale must be a one-element tensor or a float64 \[3\] tensor"),
 ])
 def test_bad_arguments_give_the_references_messages(mutate, message):
     for fn in (ops.multi_tensor_optim_step_, step_reference.multi_tensor_optim_step_):
