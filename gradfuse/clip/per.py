@@ -86,17 +86,24 @@ def scale_rows_(grads: list[torch.Tensor], coefs: torch.Tensor) -> None:
     grouping.whole_or_grouped(grads, fused, per_tensor)
 
 
-def clip_per_(s: GradStats, grads: list[torch.Tensor], max_norm: float, per: str,
-              layer_depth: int | None = None, skip: torch.Tensor | None = None) -> GradStats:
-    """Scales each row of ``s`` (taken of ``grads``) by torch's coefficient of its own group:
-    ``clamp(max_norm / (norm + 1e-6), max=1)``. Returns ``s`` with a per-row ``clip_coef``.
-    ``skip``: the step's device skip flag; a skipped step is left unscaled (coefficients 1)."""
-    norms = group_norms(s, per, layer_depth)
-    coefs = clip_coefficient(norms, max_norm)
+def with_per_coefficients(s: GradStats, max_norm: float, per: str, layer_depth: int | None = None,
+                          skip: torch.Tensor | None = None) -> GradStats:
+    """``s`` with each row's coefficient, torch's of its own group (``clamp(max_norm / (norm +
+    1e-6), max=1)``), as a per-row ``clip_coef``; nothing scaled. ``skip``: the step's device
+    skip flag; a skipped step's coefficients are 1."""
+    coefs = clip_coefficient(group_norms(s, per, layer_depth), max_norm)
     if skip is not None:
         coefs = torch.where(skip.to(coefs.device), torch.ones_like(coefs), coefs)
-    scale_rows_(grads, coefs)
     out = s.replace(clip_coef=coefs, max_norm=max_norm)
     out.clip_per = per
+    return out
+
+
+def clip_per_(s: GradStats, grads: list[torch.Tensor], max_norm: float, per: str,
+              layer_depth: int | None = None, skip: torch.Tensor | None = None) -> GradStats:
+    """Scales each row of ``s`` (taken of ``grads``) by its coefficient (``with_per_coefficients``).
+    Returns ``s`` with a per-row ``clip_coef``; a step ``skip`` flags is left unscaled."""
+    out = with_per_coefficients(s, max_norm, per, layer_depth, skip)
+    scale_rows_(grads, out.clip_coef)
     return out
 

@@ -66,6 +66,15 @@ def clamp_stats_(names: list[str], grads: list[torch.Tensor], clip_value: float)
     return s
 
 
+def clamp_watch_(watch, clip_value: float) -> GradStats:
+    """``clamp_stats_`` of the gradients of ``watch`` (a ``GradWatch``); of gradients held in
+    pieces across ranks (a ``FragmentWatch``), the statistics and clamped counts of the whole
+    ones (one collective)."""
+    names, grads = watch.named_grads()
+    s = clamp_stats_(names, grads, clip_value)
+    return watch.whole_of(s) if watch.in_pieces else s
+
+
 @torch.no_grad()
 def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:
     """Drop-in for `torch.nn.utils.clip_grad_value_`: clamps the gradients in place.

@@ -72,15 +72,20 @@ def check_monitor_args(*, on_nonfinite: str, on_explode: str, on_spike: str, exp
             nor ``"all"``; ``optimizer`` without ``scaler``, ``max_update_rms`` or
             ``blocking=False``; ``fused_step`` without a
             ``gradfuse.optim`` optimizer, with a ``max_norm`` that is not a number or a
-            schedule or a ``ZClip``, with ``per``, or with a ``ZClip`` and ``scaler``.
+            schedule or a ``ZClip``, or with ``scaler`` and a ``ZClip`` or ``per``.
     """
     if fused_step:
         if not isinstance(optimizer, FusedStep):
             raise ValueError("gradfuse.GradMonitor: fused_step=True needs optimizer= a gradfuse.optim optimizer "
                              f"(gradfuse.optim.from_torch adopts a torch one), got {type(optimizer).__qualname__}")
-        if max_norm is None or per is not None or (scaler is not None and isinstance(max_norm, ZClip)):
-            raise ValueError("gradfuse.GradMonitor: fused_step=True rides the clip by the total norm: it takes a "
-                             "numeric, schedule or ZClip max_norm (a ZClip without scaler=), without per=")
+        if max_norm is None:
+            raise ValueError("gradfuse.GradMonitor: fused_step=True rides the clip as a scale per tensor: it takes a "
+                             "numeric, schedule or ZClip max_norm (clip_value= and agc= change each element, "
+                             "not a tensor's scale)")
+        if scaler is not None and (isinstance(max_norm, ZClip) or per is not None):
+            raise ValueError("gradfuse.GradMonitor: fused_step=True with scaler= rides the clip by the total norm "
+                             "(the fused unscale scales every gradient by one factor): a ZClip or per= needs "
+                             "fused_step=False there")
     if not isinstance(blocking, bool):
         raise ValueError(f"gradfuse.GradMonitor: blocking must be True or False, got {blocking!r}")
     check_policy("on_nonfinite", on_nonfinite)

@@ -11,7 +11,7 @@ import torch
 from gradfuse.clip.agc import adaptive_clip_grad_
 from gradfuse.clip.per import clip_per_
 from gradfuse.clip.schedule import ScheduleError, max_norm_at
-from gradfuse.clip.value import clamp_stats_
+from gradfuse.clip.value import clamp_watch_
 from gradfuse.clip.zclip import ZClip, scale_total_
 from gradfuse.core.grad_stats import GradStats
 from gradfuse.core.params import with_grads
@@ -176,8 +176,7 @@ def clip_other_modes_(s: GradStats, watch, max_norm_now, *, per: str | None, lay
         adaptive_clip_grad_(params, cf, eps, p)
         return s
     if clip_value is not None:
-        names, grads = watch.named_grads()
-        clamped = clamp_stats_(names, grads, clip_value)
+        clamped = clamp_watch_(watch, clip_value)
         s = s.replace()
         s.clamped, s.clip_value = clamped.clamped, clip_value
         return s

@@ -71,8 +71,8 @@ class StepHandoff:
 
     def arm(self, flag: torch.Tensor | None, grad_scale: torch.Tensor | None = None) -> None:
         """The flag of the coming round of steps (a 0-d bool on the device; None: none), and the
-        0-d gradient scale its ``gradfuse.optim`` steps apply as they read the gradients (None:
-        none)."""
+        gradient scale its ``gradfuse.optim`` steps apply as they read the gradients (0-d, or
+        one per parameter of the optimizer; None: none)."""
         self._flag, self._grad_scale, self._taken = flag, grad_scale, set()
 
     def after_step(self, callback) -> None:

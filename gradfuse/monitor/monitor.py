@@ -171,9 +171,10 @@ class GradMonitor:
             skipped step left out on the device, the records from host copies (with
             ``fused_step=True``, of the step's own rows, copied after it).
         fused_step: with ``optimizer=`` a ``gradfuse.optim`` optimizer (of the watched
-            parameters) and a numeric, schedule or ``ZClip`` ``max_norm`` without ``per``: the clip rides
-            the optimizer's fused step. The monitor takes the statistics and the coefficient, and
-            the step applies the coefficient as it reads each gradient (its ``grad_scale``), so
+            parameters) and a numeric, schedule or ``ZClip`` ``max_norm`` (with ``per``: one
+            coefficient per parameter): the clip rides the optimizer's fused step. The monitor
+            takes the statistics and the coefficients, and the step applies them as it reads
+            each gradient (its ``grad_scale``), so
             clipping costs no pass of its own. ``p.grad`` then keeps the unclipped gradient (the
             statistics, the record and ``clipped_steps`` are those of the clip). Weights and state
             are bit for bit those of clipping first (``gradfuse.attach(..., fused_step=True)``

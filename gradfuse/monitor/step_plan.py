@@ -7,8 +7,9 @@ gradients stay scaled until the clip); with a total-norm ``max_norm`` and no pol
 before clipping, statistics and clip in one call; with ``clip_value`` (order 2, no policy to
 decide), the clamp with the statistics from before clamping; else the statistics alone, and the
 clip (by the total norm, or the other modes of ``gradfuse.monitor.clip_strategy``) after the
-policies. With ``fused_step=True`` the total-norm clip is its coefficient alone: the optimizer's
-fused step applies it as it reads the gradients (no scaling pass).
+policies. With ``fused_step=True`` the clip by the total norm, by a ``ZClip`` or per parameter /
+layer is its coefficients alone: the optimizer's fused step applies them as it reads the
+gradients (no scaling pass).
 
 Layer: monitor. Imports ``gradfuse.core``, ``gradfuse.clip`` and the monitor's clip strategy.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gradfuse.clip.per import with_per_coefficients
 from gradfuse.clip.schedule import ScheduleError
-from gradfuse.clip.value import clamp_stats_
+from gradfuse.clip.value import clamp_watch_
 from gradfuse.clip.zclip import ZClip
 from gradfuse.core import amp
 from gradfuse.core.engine import with_clip_coefficient
@@ -61,18 +63,22 @@ class StepPlan:
         if self.clip_now:
             return self.watch.clip_(self.max_norm, rows=self.rows)
         if self.value_now:  # one pass: clamp, with the statistics from before clamping
-            names, grads = self.watch.named_grads()
-            return clamp_stats_(names, grads, m.clip_value)
+            return clamp_watch_(self.watch, m.clip_value)
         return self.watch.stats(rows=self.rows)
 
     def step_scale(self, s: GradStats, clip: bool) -> torch.Tensor | None:
-        """The 0-d scale the optimizer's step applies as it reads the gradients when the clip
-        rides it (None: none): the clip coefficient, times the inverse loss scale on the fused
-        AMP path (``s``: the statistics ``clip`` returned)."""
+        """The scale the optimizer's step applies as it reads the gradients when the clip rides
+        it (None: none): the 0-d clip coefficient, times the inverse loss scale on the fused AMP
+        path; per parameter / layer, one coefficient per parameter of the optimizer (float64
+        ``[N]``, in its ``param_groups`` order; 1 for one the monitor does not watch). ``s``: the
+        statistics ``clip`` returned."""
         if not self.ride:
             return None
         if self.fused_unscale:
             return amp.unscale_coefficient(self.inv_scale, s.clip_coef if clip else None)
+        if clip and s.clip_per is not None:
+            rows = _rows_of_optimizer(self.monitor.optimizer, s.names, self.names_by_param, s.clip_coef.device)
+            return torch.cat([s.clip_coef, s.clip_coef.new_ones(1)]).index_select(0, rows)
         return s.clip_coef if clip else None
 
     def leave_unscaled(self, s: GradStats) -> None:
@@ -99,6 +105,8 @@ class StepPlan:
         if self.fused_unscale:  # one multiply: unscale, and clip when due (riding: the step's)
             s = amp.finish_unscale_(m.scaler, m.optimizer, self.grads, s, self.inv_scale,
                                     self.max_norm if clip and self.plain else None, apply=not self.ride)
+        elif clip and self.ride and m.per is not None:  # the coefficients only (step_scale)
+            s = with_per_coefficients(s, self.max_norm, m.per, m.layer_depth, skip)
         elif clip and self.ride:  # the coefficient only: the optimizer's step applies it (step_scale)
             s = (with_zclip_coefficient(s, self.max_norm, skip) if isinstance(self.max_norm, ZClip)
                  else with_clip_coefficient(s, self.max_norm))
@@ -137,10 +145,29 @@ def plan_step(monitor, watch: GradWatch, names_by_param: dict, *, log_now: bool,
     # all-reduce); the rows follow when an anomaly's message reads them (on every rank).
     rows = bool(log_now and monitor.sinks)
     plain = isinstance(max_norm, float) and monitor.per is None
-    ride = fused_step and (plain or (isinstance(max_norm, ZClip) and not fused_unscale))
+    ride = fused_step and (plain or (not fused_unscale and (isinstance(max_norm, ZClip) or (
+        isinstance(max_norm, float) and monitor.per is not None))))
     # With no policy to apply before clipping, statistics and clip are one call.
     clip_now = not fused_unscale and plain and not needs_flag and not ride
     value_now = (not fused_unscale and monitor.clip_value is not None and not needs_flag
                  and monitor.norm_type == 2.0)
     return StepPlan(monitor, watch, names_by_param, log_now, rows, fused_unscale, max_norm, bad_max_norm,
                     plain, clip_now, value_now, ride)
+
+
+_rows_cache: dict = {}
+
+
+def _rows_of_optimizer(optimizer, names: list[str], names_by_param: dict, device) -> torch.Tensor:
+    """For each parameter of ``optimizer`` (``param_groups`` order), the index of its row in
+    ``names`` (the statistics' rows), or ``len(names)`` for one not among them; cached."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    key = (tuple(names), tuple(map(id, params)), str(device))
+    hit = _rows_cache.get(key)
+    if hit is None:
+        at = {name: i for i, name in enumerate(names)}
+        hit = torch.tensor([at.get(names_by_param.get(id(p)), len(names)) for p in params], device=device)
+        if len(_rows_cache) > 16:
+            _rows_cache.clear()
+        _rows_cache[key] = hit
+    return hit

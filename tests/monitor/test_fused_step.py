@@ -30,13 +30,17 @@ def backward(model, x, planted_nan=False):
         model[0].bias.grad[0] = math.nan
 
 
-def train(tmp_path, fused_step, blocking=True, nan_at=None, zclip=False):
-    """``zclip``: a ZClip (capped at 0.5) in place of max_norm=0.5."""
+def train(tmp_path, fused_step, blocking=True, nan_at=None, clip="max_norm"):
+    """``clip``: ``"max_norm"`` (0.5), ``"ZClip"`` (one capped at 0.5), or ``"layer"`` / ``"param"``
+    (max_norm=0.5 per layer or parameter). The optimizer holds the last layer first, in a group of
+    its own: its order is not the model's."""
     model, xs = model_and_batches()
-    opt = gradfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = gradfuse.optim.AdamW([{"params": model[2].parameters(), "lr": 3e-2}, {"params": model[0].parameters()}],
+                               lr=1e-2, weight_decay=0.1)
     log = tmp_path / f"{fused_step}-{blocking}.jsonl"
-    max_norm = gradfuse.ZClip(warmup_steps=2, z_thresh=1.0, max_grad_norm=0.5) if zclip else 0.5
+    max_norm = gradfuse.ZClip(warmup_steps=2, z_thresh=1.0, max_grad_norm=0.5) if clip == "ZClip" else 0.5
     monitor = GradMonitor(model, max_norm=max_norm, every=1, sinks=[JsonlSink(log)],
+                          per=clip if clip in ("layer", "param") else None,
                           optimizer=opt if fused_step or not blocking else None,
                           fused_step=fused_step, blocking=blocking)
     grads_after_step = []
@@ -56,11 +60,11 @@ def train(tmp_path, fused_step, blocking=True, nan_at=None, zclip=False):
     return model, opt, monitor, [json.loads(line) for line in log.read_text().splitlines()], grads_after_step
 
 
-@pytest.mark.parametrize("zclip", [False, True], ids=["max_norm", "ZClip"])
+@pytest.mark.parametrize("clip", ["max_norm", "ZClip", "layer", "param"])
 @pytest.mark.parametrize("blocking, nan_at", [(True, None), (True, 3), (False, 3)])
-def test_the_clip_in_the_step_is_the_clip_before_it(tmp_path, blocking, nan_at, zclip):
-    m0, o0, mon0, rec0, _ = train(tmp_path, False, blocking, nan_at, zclip)
-    m1, o1, mon1, rec1, grads = train(tmp_path, True, blocking, nan_at, zclip)
+def test_the_clip_in_the_step_is_the_clip_before_it(tmp_path, blocking, nan_at, clip):
+    m0, o0, mon0, rec0, _ = train(tmp_path, False, blocking, nan_at, clip)
+    m1, o1, mon1, rec1, grads = train(tmp_path, True, blocking, nan_at, clip)
     assert mon0.counters()["clipped_steps"] == mon1.counters()["clipped_steps"] >= 4  # there was clipping
     for a, b in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(a, b)
@@ -68,6 +72,9 @@ def test_the_clip_in_the_step_is_the_clip_before_it(tmp_path, blocking, nan_at, 
         assert all(torch.equal(v, o1.state_dict()["state"][k][key]) for key, v in state.items())
     assert json.dumps(rec0) == json.dumps(rec1) and len(rec0) == 6
     assert all(r["clipped"] for r in rec1 if not r["skipped"])
+    if clip in ("layer", "param"):  # each row its own coefficient, some clipped and some not
+        coefs = [row["clip_coef"] for row in rec1[0]["params"].values()]
+        assert min(coefs) < 1 and len(set(coefs)) > 1
     # p.grad keeps the unclipped gradient, which the statistics describe
     (before, after), record = grads[0], rec1[0]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
@@ -98,7 +105,8 @@ def test_attach_adopts_the_torch_optimizer(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="torch"), "needs optimizer= a gradfuse.optim optimizer"),
     (dict(max_norm=None), "numeric, schedule or ZClip max_norm"),
-    (dict(per="layer"), "without per="),
+    (dict(per="layer", scaler=torch.amp.GradScaler("cpu")), "a ZClip or per= needs fused_step=False"),
+    (dict(max_norm=None, clip_value=0.1), "not a tensor's scale"),
     (dict(recorder=gradfuse.FlightRecorder(record_updates=True)), r"record_updates=True\) with fused_step=True needs"),
 ])
 def test_what_fused_step_refuses(kwargs, match):

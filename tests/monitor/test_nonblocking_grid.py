@@ -34,12 +34,9 @@ OPTIONS = {
                            noise_scale=True, update_ratios="opt", update_every=3, max_update_rms=4e-4,
                            record_updates=True),
 }
-# Riding the step takes one coefficient for all the tensors, applied by the step as it reads them.
-FUSED_REFUSED = {"per layer": "fused_step=True rides the clip by the total norm",
-                 "per param": "fused_step=True rides the clip by the total norm",
-                 "clip_value": "fused_step=True rides the clip by the total norm",
-                 "agc": "fused_step=True rides the clip by the total norm",
-                 "all": "fused_step=True rides the clip by the total norm"}
+# Riding the step takes one coefficient per tensor, applied by the step as it reads the tensor.
+FUSED_REFUSED = {"clip_value": "change each element, not a tensor's scale",
+                 "agc": "change each element, not a tensor's scale"}
 
 
 def options_of(name: str) -> dict:
