@@ -72,18 +72,32 @@ def fragment_stats(names: list[str], fragments: list[torch.Tensor], norm_type: f
     tensor per name, empty where this rank holds none): the fused pass, then one all-gather of
     the rows over ``group`` (see the module docstring). Every rank of ``group`` must call it, with
     the same names in the same order."""
-    local = fused_stats(names, fragments, norm_type)
+    out_dtype = torch.float32
+    for t in fragments:
+        out_dtype = torch.promote_types(out_dtype, norm_dtype(t.dtype))
+    return whole_stats(fused_stats(names, fragments, norm_type), names, group, out_dtype)
+
+
+def whole_stats(local: GradStats, names: list[str], group, out_dtype: torch.dtype) -> GradStats:
+    """``local``, statistics of this rank's fragments (its rows in any order), as those of the
+    full gradients: the rows in the order of ``names``, combined over ``group`` in one all-gather
+    (``clamped`` counts, where ``local`` has them, ride it as one more summed column), the total
+    norm from them (as ``out_dtype``)."""
     floats, counts = local.floats, local.counts
+    clamped = local.clamped is not None
+    if clamped:
+        counts = torch.cat([counts, local.clamped.to(counts.device, counts.dtype)[:, None]], 1)
     if list(local.names) != list(names):  # several (device, dtype) groups: rows in the order of names
         row_of = {n: i for i, n in enumerate(local.names)}
         order = torch.tensor([row_of[n] for n in names], device=floats.device)
         floats, counts = floats[order], counts[order]
     floats, counts = combine_rows(floats, counts, group)
-    total = root(norm_accumulator(floats, counts, norm_type), norm_type)
-    out_dtype = torch.float32
-    for t in fragments:
-        out_dtype = torch.promote_types(out_dtype, norm_dtype(t.dtype))
-    return GradStats(list(names), floats, counts, norm_type, total.to(out_dtype))
+    out_counts = counts[:, :-1].contiguous() if clamped else counts
+    total = root(norm_accumulator(floats, out_counts, local.norm_type), local.norm_type)
+    out = GradStats(list(names), floats, out_counts, local.norm_type, total.to(out_dtype))
+    if clamped:
+        out.clamped, out.clip_value = counts[:, -1].contiguous(), local.clip_value
+    return out
 
 
 class FragmentWatch(GradWatch):
@@ -108,6 +122,8 @@ class FragmentWatch(GradWatch):
         norm_type (float): As given.
         last_path (str | None): ``"fragments"`` after the first call.
     """
+
+    in_pieces = True  # named_grads gives this rank's pieces of the gradients
 
     def __init__(self, names: list[str], params: list[torch.Tensor],
                  fragments: Callable[[], list[torch.Tensor]], group, *, norm_type: float = 2.0):
@@ -188,6 +204,36 @@ class FragmentWatch(GradWatch):
         """
         _names, frags = self.named_grads()
         return scale_to_max_norm(s, frags, max_norm)
+
+    def sum_pieces(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's fragments whose every column is a sum over their elements (a
+        histogram, an element count), summed over the ranks: those of the full gradients, the
+        same on every rank (one all-reduce; every rank must call it).
+
+        Args:
+            rows: ``[n, k]``, one row per watched parameter, in ``names`` order.
+
+        Returns:
+            torch.Tensor: A new ``[n, k]`` tensor.
+        """
+        import torch.distributed as dist
+
+        total = rows.clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def whole_of(self, s: GradStats) -> GradStats:
+        """``s``, statistics of this rank's fragments of ``named_grads`` (a clamp's, with its
+        ``clamped`` counts), as those of the full gradients (``whole_stats``; every rank must
+        call it)."""
+        return whole_stats(s, self.names, self.group, s.plain_total_norm.dtype)
+
+    def max_pieces(self, values: torch.Tensor) -> torch.Tensor:
+        """Per watched parameter, the maximum over the ranks of this rank's ``values`` (float, one
+        per parameter in ``names`` order; NaN where any rank's is): that of the full gradient, as
+        max |x| (one all-gather; every rank must call it)."""
+        parts = all_gather_rows(values.to(torch.float64).reshape(-1, 1), self.group)[:, :, 0]
+        return torch.where(parts.isnan().any(0), math.nan, parts.amax(0)).to(values.dtype)
 
     def scale_by(self, coef: torch.Tensor) -> bool:
         """No fast path for fragments: returns False, nothing touched (the caller scales the

@@ -82,6 +82,8 @@ class GradWatch:
         norm_type (float): The order of the norms.
         group: The process group of ``group=``, or None.
         last_path (str | None): What served the last call: ``"fast"`` (C++) or ``"python"``.
+        in_pieces (bool): False: ``named_grads`` gives whole gradients (True for a watch of
+            gradients held in pieces across ranks, DeepSpeed ZeRO's fragments).
 
     Example:
         ```python
@@ -91,6 +93,8 @@ class GradWatch:
         print(g.last_path)
         ```
     """
+
+    in_pieces = False
 
     def __init__(self, source, *, norm_type: float = 2.0, group=None):
         self.norm_type = check_norm_type(norm_type)

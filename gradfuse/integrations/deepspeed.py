@@ -57,8 +57,6 @@ REFUSED_OPTIONS = {
     "update_ratios": "the optimizer's state is partitioned and wrapped by DeepSpeed",
     "update_every": "the optimizer's state is partitioned and wrapped by DeepSpeed",
     "max_update_rms": "the optimizer's state is partitioned and wrapped by DeepSpeed",
-    "histogram": "the exponent histograms of fragments are not reduced across ranks",
-    "clip_value": "the clamped-element counts of fragments are not reduced across ranks",
     "agc": "adaptive clipping needs each parameter's whole weight, which ZeRO-3 partitions",
     "scaler": "DeepSpeed scales its own loss",
     "optimizer": "set by the attachment",

@@ -222,8 +222,8 @@ def check_checkpoint(G, handle, stage):
 def check_options(rank, world):
     """What cannot be done on fragments refuses, naming the option; the flight recorder works."""
     engine = make_engine(2, torch.float32, 0.0)
-    for kwargs, words in (({"noise_scale": True}, "noise_scale="), ({"histogram": True}, "histogram="),
-                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"clip_value": 0.1}, "clip_value=")):
+    for kwargs, words in (({"noise_scale": True}, "noise_scale="), ({"update_ratios": True}, "update_ratios="),
+                          ({"norm_type": 0.0}, "norm_type=0.0"), ({"agc": 0.1}, "agc=")):
         try:
             gradfuse.attach(engine, **kwargs)
         except ValueError as e:
@@ -387,6 +387,73 @@ def check_activations(rank, world):
         assert "non-finite gradients in 4 parameter(s)" in report["message"], report["message"]
 
 
+def check_clip_value(rank, world):
+    """clip_value=: the fragments clamped in place, the clamped counts and the statistics from
+    before clamping those of the full gradients (combined over the ranks); the weights after the
+    step those of plain SGD after gradfuse.clip_(..., value=) of the averaged gradient."""
+    value = 0.3
+    for stage in (2, 3):
+        engine = make_engine(stage, torch.float32, 0.0)
+        handle = gradfuse.attach(engine, clip_value=value, every=0)
+        for micro in range(ACCUMULATE):
+            x, y = batch(0, micro, rank)
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+        handle.detach()
+        s = handle.last_report.stats
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        losses = [loss_of(model, *batch(0, m, r)) for r in range(world) for m in range(ACCUMULATE)]
+        (sum(losses) / len(losses)).backward()
+        want = gradfuse.clip_(model, None, value=value)
+        optimizer.step()
+        clamped, want_clamped = dict(zip(s.names, s.clamped.tolist())), dict(zip(want.names, want.clamped.tolist()))
+        assert clamped == want_clamped and 0 < sum(clamped.values()) < sum(p.numel() for p in model.parameters()), \
+            (clamped, want_clamped)
+        assert handle.monitor.counters()["clipped_steps"] == 1
+        torch.testing.assert_close(s.total_norm, want.total_norm, rtol=1e-5, atol=0)  # from before clamping
+        ours = full_weights(engine, stage)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(ours[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def check_histogram(rank, world):
+    """histogram=True: each rank's exponent histograms of its fragments, summed over the ranks,
+    and the headroom from them and the full max |x|: a logging step's record holds those of the
+    same monitor on a plain copy of the model given the averaged gradient, on both ranks."""
+    for stage in (2, 3):
+        engine = make_engine(stage, torch.float32, 0.0)
+        log = f"{OUT_DIR}/histogram{stage}.{rank}.jsonl"
+        handle = gradfuse.attach(engine, max_norm=MAX_NORM, histogram=True, every=1,
+                                 sinks=[gradfuse.JsonlSink(log)], sink_ranks="all")
+        for micro in range(ACCUMULATE):
+            x, y = batch(0, micro, rank)
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+        handle.detach()
+        plain = make_model()
+        losses = [loss_of(plain, *batch(0, m, r)) for r in range(world) for m in range(ACCUMULATE)]
+        (sum(losses) / len(losses)).backward()
+        alone = gradfuse.GradMonitor(plain, max_norm=MAX_NORM, histogram=True, every=1,
+                                     sinks=[gradfuse.JsonlSink(log + ".plain")], sink_ranks="all")
+        alone.step()
+        alone.close()
+        ours, reference = json.loads(open(log).readline()), json.loads(open(log + ".plain").readline())
+        assert set(ours["exponents"]) == set(reference["exponents"]) == {"0", "2"}, ours.keys()
+        for layer, entry in reference["exponents"].items():
+            got = ours["exponents"][layer]
+            # every element of the layer counted once, over both ranks' fragments
+            numel = sum(p.numel() for n, p in plain.named_parameters() if n.startswith(layer + "."))
+            assert sum(got["counts"]) == sum(entry["counts"]) == numel, (layer, got)
+            # the averaged gradients agree within rounding: an element on a binade's edge may move
+            a = dict(enumerate(got["counts"], got["first_bin"]))
+            b = dict(enumerate(entry["counts"], entry["first_bin"]))
+            assert all(abs(a.get(k, 0) - b.get(k, 0)) <= 1 for k in set(a) | set(b)), (layer, got, entry)
+            for key, value in reference["headroom"][layer].items():
+                assert math.isclose(ours["headroom"][layer][key], value, abs_tol=1.01 / numel), (layer, key)
+        assert any(v > 0 for row in ours["headroom"].values() for v in row.values())
+
+
 class Spare(nn.Module):
     """What real models have beside their used layers: an embedding tied to the output head, a
     layer with a parameter the forward never uses (``mixed.offset``), a layer it never calls
@@ -499,6 +566,8 @@ CHECKS = {
     "per": check_per,
     "zclip": check_zclip,
     "activations": check_activations,
+    "histogram": check_histogram,
+    "clip_value": check_clip_value,
     **{f"skip_spare_stage{s}_fp32": functools.partial(check_skip_leaves_nothing, s, torch.float32)
        for s in (0, 1, 2, 3)},
     "skip_spare_stage3_bf16": functools.partial(check_skip_leaves_nothing, 3, torch.bfloat16),
