@@ -374,6 +374,20 @@ def test_fused_optimizer_on_cuda_equals_its_cpu_steps_in_float32(correctly_round
                 assert _same_bits(q.detach().cpu(), p.detach()), (name, step)
 
 
+def never_syncing(steps, step_of):
+    """The reports of ``step_of(step)`` for each step, run under torch's sync debug mode "error"
+    (which raises on any host synchronisation), the skip's warning expected."""
+    torch.cuda.synchronize()
+    reports = []
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            reports = [step_of(step) for step in range(steps)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return reports
+
+
 def test_nonblocking_monitor_never_syncs_and_skips_on_the_device():
     """GradMonitor(blocking=False) with gradfuse.optim.AdamW under torch's sync debug mode set to
     "error" (any synchronising call raises): 30 steps, a planted NaN and a planted explosion,
@@ -386,22 +400,19 @@ def test_nonblocking_monitor_never_syncs_and_skips_on_the_device():
     monitor = gradfuse.GradMonitor(model, max_norm=1.0, every=10, explode_threshold=1e4, optimizer=opt,
                                    blocking=False)
     xs = torch.randn(30, 16, 64, device="cuda")
-    torch.cuda.synchronize()
-    reports = []
-    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for step in range(30):
-                model(xs[step]).square().mean().backward()
-                if step == 7:
-                    model[0].weight.grad[0, 0] = math.nan
-                if step == 19:
-                    torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
-                reports.append(monitor.step())
-                opt.step()
-                opt.zero_grad()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+
+    def step_of(step):
+        model(xs[step]).square().mean().backward()
+        if step == 7:
+            model[0].weight.grad[0, 0] = math.nan
+        if step == 19:
+            torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
+        report = monitor.step()
+        opt.step()
+        opt.zero_grad()
+        return report
+
+    reports = never_syncing(30, step_of)
     monitor.close()
     assert [r.step for r in reports if r.skip] == [7, 19]
     assert monitor.counters()["skipped_steps"] == 2
@@ -431,23 +442,20 @@ def test_everything_on_never_syncs_on_the_device(tmp_path):
     planted = {"on": False}
     model[2].register_forward_pre_hook(lambda _m, a: (a[0] * math.nan,) if planted["on"] else None)
     xs = torch.randn(24, 2, 16, 64, device="cuda")
-    torch.cuda.synchronize()
-    reports = []
-    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for step in range(24):
-                for micro in range(2):
-                    planted["on"] = step == nan_at and micro == 0
-                    (model(xs[step, micro]).square().mean() / 2).backward()
-                    monitor.micro_step()
-                if step == explode_at:
-                    torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
-                reports.append(monitor.step())
-                opt.step()
-                opt.zero_grad()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+
+    def step_of(step):
+        for micro in range(2):
+            planted["on"] = step == nan_at and micro == 0
+            (model(xs[step, micro]).square().mean() / 2).backward()
+            monitor.micro_step()
+        if step == explode_at:
+            torch._foreach_mul_([p.grad for p in model.parameters()], 1e7)
+        report = monitor.step()
+        opt.step()
+        opt.zero_grad()
+        return report
+
+    reports = never_syncing(24, step_of)
     monitor.close()
     assert [r.step for r in reports if r.skip] == [nan_at, explode_at]
     assert reports[nan_at].first_nonfinite == ("forward", "2")
