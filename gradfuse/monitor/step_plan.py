@@ -166,7 +166,9 @@ def _rows_of_optimizer(optimizer, names: list[str], names_by_param: dict, device
     hit = _rows_cache.get(key)
     if hit is None:
         at = {name: i for i, name in enumerate(names)}
-        hit = torch.tensor([at.get(names_by_param.get(id(p)), len(names)) for p in params], device=device)
+        hit = torch.tensor([at.get(names_by_param.get(id(p)), len(names)) for p in params])
+        if device.type != "cpu":  # pinned, so that the copy does not wait for the device
+            hit = hit.pin_memory().to(device, non_blocking=True)
         if len(_rows_cache) > 16:
             _rows_cache.clear()
         _rows_cache[key] = hit

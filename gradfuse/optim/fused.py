@@ -243,8 +243,10 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
             coefs = coefs.pin_memory().to(device, non_blocking=True)
         scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
         if positions is not None:  # this group's scales, in its order
-            where = torch.tensor([positions[id(p)] for p in lists.users], device="cpu")
-            scale = scale.index_select(0, where.to(device, non_blocking=True))
+            where = torch.tensor([positions[id(p)] for p in lists.users])
+            if device.type != "cpu":
+                where = where.pin_memory().to(device, non_blocking=True)
+            scale = scale.index_select(0, where)
         args = (lists.params, lists.grads, lists.m, lists.v, lists.v_max, coefs, rule,
                 threads if device.type == "cpu" else 0)
         update_coefs = None
@@ -269,9 +271,9 @@ def fused_step(optimizer, *, grad_scale: torch.Tensor | None = None, skip: torch
 def per_parameter_positions(optimizer, grad_scale: torch.Tensor | None) -> dict[int, int] | None:
     """Each parameter's index in ``grad_scale`` when it holds one scale per parameter (float64
     ``[N]``, in ``param_groups`` order); None for one scale for all."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     if grad_scale is None or grad_scale.numel() == 1:
         return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     if not (grad_scale.dtype == torch.float64 and grad_scale.dim() == 1 and grad_scale.shape[0] == len(params)):
         raise ValueError(f"grad_scale must be one element or float64 [{len(params)}] (one per parameter, in "
                          f"param_groups order), got {grad_scale.dtype} {list(grad_scale.shape)}")
