@@ -38,6 +38,15 @@ if [ "$MODE" = test ]; then
   # build isolation), building none of its ops (DS_BUILD_OPS=0). pip skips it once installed.
   DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
     -r requirements-deepspeed.txt 2> >(grep -v "^WARNING: Location 'file:" >&2)
+  # torchtitan in a folder of its own (requirements-torchtitan.txt says why); pip skips nothing
+  # with --target, so it runs only when the pinned set changed.
+  if ! cmp -s requirements-torchtitan.txt .venv/torchtitan/.requirements 2>/dev/null; then
+    echo "[setup] installing requirements-torchtitan.txt into .venv/torchtitan"
+    rm -rf .venv/torchtitan
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .venv/torchtitan \
+      -r requirements-torchtitan.txt 2> >(grep -v "^WARNING: Location 'file:" >&2)
+    cp requirements-torchtitan.txt .venv/torchtitan/.requirements
+  fi
 fi
 
 # What is built in place now: "cuda", "cpu", or "none" (no build, or one that does not load),

@@ -165,8 +165,13 @@ class FragmentWatch(GradWatch):
             GradStats: Per parameter and in total, the same on every rank.
         """
         self.last_path = "fragments"
-        names, frags = self.named_grads()
+        names, frags = self.counted_grads()
         return fragment_stats(names, frags, self.norm_type, self.group)
+
+    def counted_grads(self) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, the pieces whose sums over the ranks are the full gradients'): the fragments
+        of ``named_grads``, each held by one rank (a ``MeshPieces`` leaves copies out)."""
+        return self.named_grads()
 
     @torch.no_grad()
     def clip_(self, max_norm: float, error_if_nonfinite: bool = False, *, rows: bool = True) -> GradStats:

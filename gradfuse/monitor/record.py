@@ -86,7 +86,7 @@ class HeadroomTake:
         if source is None:
             return
         if isinstance(source, GradWatch):  # a watch given to the monitor in place of a model
-            names, grads = source.named_grads()
+            names, grads = source.counted_grads() if source.in_pieces else source.named_grads()
         else:
             names, _params, grads = named_grads(source)
         detached = [g.detach() for g in grads]

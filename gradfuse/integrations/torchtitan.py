@@ -1,0 +1,140 @@
+"""torchtitan: ``gradfuse.integrations.torchtitan.attach(trainer)`` runs a ``GradMonitor`` in a
+torchtitan ``Trainer``'s step, in place of torchtitan's gradient clip.
+
+``Trainer.train_step`` looks ``clip_grad_norm_`` up on ``torchtitan.distributed.utils`` when it
+calls it, after the backward and FSDP2's reduce-scatter, before the optimizers' step; the
+attachment puts its own function there. For the trainer's parameters it takes the monitor's
+step: the statistics of the full gradients (FSDP2 and tensor-parallel shards, pipeline stages:
+every rank's pieces, rows combined in one all-gather over the world, never a ``full_tensor()``
+per parameter; ``gradfuse.core.mesh_pieces``), the clip by ``training.max_norm`` (torchtitan's
+coefficient, from the same total norm within float rounding), the policies, logging; it returns
+the total norm from before clipping, which torchtitan logs as ``grad_norm``. A step the policy
+skips is not taken: the optimizers' ``step`` is not called (its LR schedulers still advance, as
+torchtitan counts steps). Any other call goes to torchtitan's own function.
+
+Decided on the host (``blocking=True``): torchtitan's optimizers are torch's, stepped through
+its ``OptimizersContainer``.
+
+Layer: integrations. Imports ``gradfuse.core``, ``gradfuse.monitor`` and ``gradfuse.integrations.pytorch``.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradfuse.core.mesh_pieces import MeshPieces
+from gradfuse.integrations.pytorch import StepGate
+from gradfuse.monitor.monitor import GradMonitor, StepReport
+
+# The torchtitan releases whose Trainer (train_step's clip, model_parts, parallel_dims) was
+# checked: [first, end).
+TESTED_VERSIONS = ((0, 3), (0, 4))
+# Monitor options that need what the attachment does not give, and why.
+REFUSED_OPTIONS = {
+    "clip_value": "the clamped counts of tensor-parallel copies would be counted once per copy",
+    "agc": "adaptive clipping needs each parameter's whole weight, which FSDP2 shards",
+    "update_ratios": "torchtitan's optimizers are stepped through its OptimizersContainer",
+    "max_update_rms": "torchtitan's optimizers are stepped through its OptimizersContainer",
+    "noise_scale": "the per-micro-batch gradients are reduced inside FSDP2's backward",
+    "scaler": "torchtitan does not scale its loss",
+    "blocking": "torchtitan's optimizers take no skip flag on the device: the monitor decides on the host",
+    "optimizer": "set by the attachment",
+}
+
+
+def check_version(version: str) -> None:
+    """Raises RuntimeError when torchtitan ``version`` is outside ``TESTED_VERSIONS``."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    first, end = TESTED_VERSIONS
+    if not first <= tuple(parts) < end:
+        raise RuntimeError(
+            f"gradfuse.integrations.torchtitan: torchtitan {version} is outside the versions it was tested with "
+            f"(>={first[0]}.{first[1]},<{end[0]}.{end[1]}): it replaces the clip torchtitan's Trainer.train_step "
+            "looks up, whose place and arguments move between releases. Install a tested torchtitan.")
+
+
+class TorchtitanAttachment:
+    """What ``attach`` returns: the ``monitor``, the ``last_report``, and ``detach()``, which
+    puts torchtitan's clip back and closes the monitor.
+
+    Attributes:
+        monitor (GradMonitor): The monitor (its ``source`` the ``MeshPieces`` of the model).
+        last_report (StepReport | None): The report of the latest step.
+        trainer: The torchtitan ``Trainer``.
+    """
+
+    def __init__(self, trainer, monitor_kwargs: dict):
+        import torchtitan
+        import torchtitan.distributed.utils as dist_utils
+
+        check_version(getattr(torchtitan, "__version__", "0.3.0"))
+        for key, value in monitor_kwargs.items():
+            if key in REFUSED_OPTIONS and value not in (None, False) and not (key == "blocking" and value is True):
+                raise ValueError(f"gradfuse.integrations.torchtitan.attach: {key}= is not available: "
+                                 f"{REFUSED_OPTIONS[key]}")
+        if trainer.parallel_dims.ep_enabled:
+            raise ValueError("gradfuse.integrations.torchtitan.attach: expert parallel is not supported: torchtitan "
+                             "combines the expert and the other parameters' norms apart")
+        self.trainer = trainer
+        named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters() if p.requires_grad]
+        self._params = {id(p) for _, p in named}
+        kwargs = {"max_norm": trainer.config.training.max_norm, "check_double_clip": False, **monitor_kwargs}
+        kwargs.pop("blocking", None)
+        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        watch = MeshPieces(named, group, norm_type=kwargs.get("norm_type", 2.0))
+        self.monitor = GradMonitor(watch, **kwargs)
+        self.last_report: StepReport | None = None
+        self._module = dist_utils
+        self._torchtitan_clip = dist_utils.clip_grad_norm_
+        self._gate = StepGate(trainer.optimizers, lambda _opt: self.last_report is not None and self.last_report.skip)
+        dist_utils.clip_grad_norm_ = self._clip
+
+    def _clip(self, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None,
+              ep_enabled=False):
+        """Torchtitan's ``clip_grad_norm_``: for the trainer's parameters, the monitor's step (its
+        total norm returned); for any others, torchtitan's own."""
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if {id(p) for p in parameters} != self._params:
+            return self._torchtitan_clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
+                                         ep_enabled)
+        report = self.monitor.step()
+        self.last_report = report
+        return report.stats.total_norm
+
+    def detach(self) -> None:
+        """Puts torchtitan's clip and the optimizers' step back, and closes the monitor."""
+        if self._module.clip_grad_norm_ == self._clip:
+            self._module.clip_grad_norm_ = self._torchtitan_clip
+        self._gate.remove()
+        self.monitor.close()
+
+
+def attach(trainer, **monitor_kwargs) -> TorchtitanAttachment:
+    """Runs a ``GradMonitor`` in ``trainer``'s steps, in place of torchtitan's clip (see the
+    module docstring). Call it on every rank, after the ``Trainer`` is built and before
+    ``trainer.train()``.
+
+    Args:
+        trainer: A torchtitan ``Trainer``.
+        **monitor_kwargs: ``GradMonitor`` options (``max_norm`` defaults to the trainer's
+            ``training.max_norm``; ``every``, ``sinks``, ``sink_ranks``, ``per``, ``histogram``,
+            the policies, ``recorder`` ...); those of ``REFUSED_OPTIONS`` raise.
+
+    Returns:
+        TorchtitanAttachment: With ``monitor``, ``last_report`` and ``detach()``.
+
+    Raises:
+        ValueError: A refused option, or expert parallelism.
+        RuntimeError: A torchtitan outside ``TESTED_VERSIONS``.
+
+    Example:
+        ```python
+        trainer = config.build()
+        handle = gradfuse.integrations.torchtitan.attach(trainer, every=10, sinks=[gradfuse.JsonlSink("run.jsonl")])
+        trainer.train()
+        handle.detach()
+        ```
+    """
+    return TorchtitanAttachment(trainer, monitor_kwargs)

@@ -1,0 +1,90 @@
+"""gradfuse.integrations.torchtitan on torchtitan's own Trainer and llama3 debug model, on 2 gloo
+processes on the CPU (torchtitan_workers.py, one process pair per layout: FSDP2, tensor
+parallel, pipeline parallel): per step the rows equal the full gradients' norms (a float64
+``full_tensor()`` per parameter, the reference), the total norm torchtitan's own within its
+float32 rounding, one collective for the statistics, the gradients clipped as torchtitan's clip
+would, a NaN planted on one rank skipped on both (the optimizers not stepped), the records in
+the sink; and the versions outside the tested range refused."""
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradfuse.integrations import torchtitan as gtt
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = ROOT / ".venv" / "torchtitan"  # requirements-torchtitan.txt, installed by scripts/setup.sh test
+HERE = Path(__file__).resolve().parent
+STEPS, NAN_AT, PARAMS = 4, 2, 45  # the debug model's parameters
+
+needs_torchtitan = pytest.mark.skipif(not (SITE / "torchtitan").is_dir(),
+                                      reason="needs .venv/torchtitan (bash scripts/setup.sh test)")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["fsdp", "tp", "pp"])
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SITE), str(HERE), str(ROOT)]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(HERE / "torchtitan_workers.py"), request.param, str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    return request.param, ranks, records
+
+
+@needs_torchtitan
+def test_rows_total_norm_and_clip_are_those_of_the_full_gradients(run):
+    layout, ranks, _ = run
+    for rank, r in enumerate(ranks):
+        assert len(r["names"]) == PARAMS and not any("_checkpoint_wrapped_module" in n for n in r["names"])
+        # a pipeline stage holds some of the parameters, each rank all of them otherwise
+        assert (len(r["local"]) < PARAMS) == (layout == "pp"), len(r["local"])
+        assert len(r["steps"]) == STEPS
+        for step, s in enumerate(r["steps"]):
+            assert s["collectives"] == 1, (layout, rank, step, s["collectives"])
+            if step == NAN_AT:
+                continue
+            assert math.isclose(s["ours"], s["theirs"], rel_tol=2e-4), (layout, rank, step, s)
+            assert s["ours"] > 0.5 and s["scaled_like_theirs"], (layout, rank, step, s)  # it clipped, as theirs
+            for name, norm in s["full"].items():
+                assert math.isclose(s["rows"][name], norm, rel_tol=1e-6), (layout, rank, step, name)
+            assert set(s["full"]) == set(r["local"]) and len(s["rows"]) == PARAMS
+
+
+@needs_torchtitan
+def test_a_nan_on_one_rank_is_skipped_on_both(run):
+    layout, ranks, records = run
+    for r in ranks:
+        assert [s["skip"] for s in r["steps"]] == [step == NAN_AT for step in range(STEPS)], layout
+        assert r["stepped"] == [step + 1 for step in range(STEPS) if step != NAN_AT]  # no optimizer step there
+        assert r["counters"]["skipped_steps"] == 1 and r["counters"]["clipped_steps"] == STEPS - 1
+        assert r["refused"] and "clip_value= is not available" in r["refused"]
+    assert [rec["step"] for rec in records] == list(range(STEPS))
+    assert all(len(rec["params"]) == PARAMS and rec["layers"] for rec in records)
+    assert records[NAN_AT]["skipped"] and "nonfinite" in records[NAN_AT]["anomalies"]
+
+
+@pytest.mark.parametrize("version", ["0.2.9", "0.4.0", "1.0.0"])
+def test_versions_outside_the_tested_range_are_refused(version):
+    with pytest.raises(RuntimeError, match=f"torchtitan {version} is outside the versions"):
+        gtt.check_version(version)
+
+
+def test_versions_in_the_tested_range_pass():
+    gtt.check_version("0.3.0")
+    gtt.check_version("0.3.1.dev0+git1234")
+    assert importlib.util.find_spec("gradfuse.integrations.torchtitan") is not None
