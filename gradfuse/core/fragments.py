@@ -210,35 +210,26 @@ class FragmentWatch(GradWatch):
         _names, frags = self.named_grads()
         return scale_to_max_norm(s, frags, max_norm)
 
-    def sum_pieces(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of this rank's fragments whose every column is a sum over their elements (a
-        histogram, an element count), summed over the ranks: those of the full gradients, the
-        same on every rank (one all-reduce; every rank must call it).
-
-        Args:
-            rows: ``[n, k]``, one row per watched parameter, in ``names`` order.
-
-        Returns:
-            torch.Tensor: A new ``[n, k]`` tensor.
-        """
-        import torch.distributed as dist
-
-        total = rows.clone()
-        dist.all_reduce(total, group=self.group)
-        return total
-
     def whole_of(self, s: GradStats) -> GradStats:
         """``s``, statistics of this rank's fragments of ``named_grads`` (a clamp's, with its
         ``clamped`` counts), as those of the full gradients (``whole_stats``; every rank must
         call it)."""
         return whole_stats(s, self.names, self.group, s.plain_total_norm.dtype)
 
-    def max_pieces(self, values: torch.Tensor) -> torch.Tensor:
-        """Per watched parameter, the maximum over the ranks of this rank's ``values`` (float, one
-        per parameter in ``names`` order; NaN where any rank's is): that of the full gradient, as
-        max |x| (one all-gather; every rank must call it)."""
-        parts = all_gather_rows(values.to(torch.float64).reshape(-1, 1), self.group)[:, :, 0]
-        return torch.where(parts.isnan().any(0), math.nan, parts.amax(0)).to(values.dtype)
+    def combine_pieces(self, sums: torch.Tensor, maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per watched parameter, values of this rank's pieces combined into those of the full
+        gradients in one all-gather (every rank must call it): ``sums`` (``[n, a]``, a
+        histogram, an element count) summed over the ranks, ``maxes`` (``[n, b]``, a max |x|)
+        their maximum, NaN where any rank's is.
+
+        Returns:
+            tuple: New ``[n, a]`` and ``[n, b]`` tensors of the dtypes given.
+        """
+        a = sums.shape[1]
+        parts = all_gather_rows(torch.cat([sums.to(torch.float64), maxes.to(torch.float64)], 1), self.group)
+        top = parts[:, :, a:]
+        top = torch.where(top.isnan().any(0), math.nan, top.amax(0))
+        return parts[:, :, :a].sum(0).to(sums.dtype), top.to(maxes.dtype)
 
     def scale_by(self, coef: torch.Tensor) -> bool:
         """No fast path for fragments: returns False, nothing touched (the caller scales the

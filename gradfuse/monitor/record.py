@@ -93,8 +93,8 @@ class HeadroomTake:
         h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
                              names, detached)
         if getattr(source, "in_pieces", False):  # each rank holds pieces: the whole gradients' histograms
-            hist, amax = source.sum_pieces(h.exponent_histogram), source.max_pieces(h.linf)
-            h.exponent_histogram, h.headroom = hist, headroom.headroom_columns(hist, amax)
+            hist, amax = source.combine_pieces(h.exponent_histogram, h.linf[:, None])
+            h.exponent_histogram, h.headroom = hist, headroom.headroom_columns(hist, amax[:, 0])
         self.names = list(h.names)
         self.keys, packed = headroom.packed_rows(h.exponent_histogram, h.headroom)
         self._copy = HostCopy([packed])

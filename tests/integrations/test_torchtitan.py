@@ -2,9 +2,9 @@
 processes on the CPU (torchtitan_workers.py, one process pair per layout: FSDP2, tensor
 parallel, pipeline parallel): per step the rows equal the full gradients' norms (a float64
 ``full_tensor()`` per parameter, the reference), the total norm torchtitan's own within its
-float32 rounding, one collective for the statistics, the gradients clipped as torchtitan's clip
-would, a NaN planted on one rank skipped on both (the optimizers not stepped), the records in
-the sink; and the versions outside the tested range refused."""
+float32 rounding, one collective for the statistics (and one for a logged step's histograms), the gradients clipped as torchtitan's clip
+would, a NaN planted on one rank skipped on both (the optimizers not stepped), the records (with
+exponent histograms counting every element once) in the sink; and the versions outside the tested range refused."""
 import importlib.util
 import json
 import math
@@ -55,7 +55,8 @@ def test_rows_total_norm_and_clip_are_those_of_the_full_gradients(run):
         assert (len(r["local"]) < PARAMS) == (layout == "pp"), len(r["local"])
         assert len(r["steps"]) == STEPS
         for step, s in enumerate(r["steps"]):
-            assert s["collectives"] == 1, (layout, rank, step, s["collectives"])
+            # the rows in one all-gather, the logged step's histograms in another
+            assert s["collectives"] == 2, (layout, rank, step, s["collectives"])
             if step == NAN_AT:
                 continue
             assert math.isclose(s["ours"], s["theirs"], rel_tol=2e-4), (layout, rank, step, s)
@@ -76,6 +77,20 @@ def test_a_nan_on_one_rank_is_skipped_on_both(run):
     assert [rec["step"] for rec in records] == list(range(STEPS))
     assert all(len(rec["params"]) == PARAMS and rec["layers"] for rec in records)
     assert records[NAN_AT]["skipped"] and "nonfinite" in records[NAN_AT]["anomalies"]
+
+
+@needs_torchtitan
+def test_histograms_count_every_element_once(run):
+    """Each layer's exponent histogram holds each of its elements once over the ranks: shards
+    summed, tensor-parallel copies counted once, every pipeline stage's layers there."""
+    layout, ranks, records = run
+    numel = {**ranks[0]["numel"], **ranks[1]["numel"]}
+    assert len(numel) == PARAMS
+    for rec in records:
+        for layer, entry in rec["exponents"].items():
+            want = sum(n for name, n in numel.items() if name == layer or name.startswith(layer + "."))
+            assert sum(entry["counts"]) == want, (layout, rec["step"], layer)
+        assert set(rec["exponents"]) == set(rec["layers"]), layout
 
 
 @pytest.mark.parametrize("version", ["0.2.9", "0.4.0", "1.0.0"])

@@ -51,7 +51,8 @@ def main(layout: str, out: str) -> None:
         refused = None
     except ValueError as e:
         refused = str(e)
-    handle = gtt.attach(trainer, every=1, on_nonfinite="skip", sinks=[gradfuse.JsonlSink(f"{out}/run.jsonl")])
+    handle = gtt.attach(trainer, every=1, on_nonfinite="skip", histogram=True,
+                        sinks=[gradfuse.JsonlSink(f"{out}/run.jsonl")])
     monitored = handle._clip  # the attachment's clip, as train_step finds it
     stepped = []
     trainer.optimizers.register_step_post_hook(lambda *_: stepped.append(len(steps)))
@@ -85,7 +86,8 @@ def main(layout: str, out: str) -> None:
     dist_utils.clip_grad_norm_ = checked
     trainer.train()
     handle.detach()
-    result = {"steps": steps, "stepped": stepped, "local": handle.monitor.source.local_names,
+    numel = {clean_name(n): p.numel() for part in trainer.model_parts for n, p in part.named_parameters()}
+    result = {"numel": numel, "steps": steps, "stepped": stepped, "local": handle.monitor.source.local_names,
               "names": handle.monitor.source.names, "counters": handle.monitor.counters(), "refused": refused}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
