@@ -2,9 +2,10 @@
 processes on the CPU (torchtitan_workers.py, one process pair per layout: FSDP2, tensor
 parallel, pipeline parallel): per step the rows equal the full gradients' norms (a float64
 ``full_tensor()`` per parameter, the reference), the total norm torchtitan's own within its
-float32 rounding, one collective for the statistics (and one for a logged step's histograms), the gradients clipped as torchtitan's clip
-would, a NaN planted on one rank skipped on both (the optimizers not stepped), the records (with
-exponent histograms counting every element once) in the sink; and the versions outside the tested range refused."""
+float32 rounding, one collective for the statistics (and one for a logged step's histograms),
+the gradients clipped as torchtitan's clip would, a NaN planted on one rank skipped on both (the
+optimizers not stepped), the records in the sink (their exponent histograms counting every
+element once); and the versions outside the tested range refused."""
 import importlib.util
 import json
 import math
