@@ -165,7 +165,7 @@ class ActivationStats(GradStats):
             return None
         hist = self.exponent_histogram if self._extra_copy is None else self._extra_copy.get()[1]
         keys = [output_layer(m, depth) for m in self.modules]
-        sums = sum_by_key(keys, hist.cpu().tolist())
+        sums = sum_by_key(keys, hist)
         return {layer: exponents_entry(counts) for layer, counts in sums.items()}
 
     def table(self, top: int | None = None, sort_by: str | None = None) -> str:

@@ -20,15 +20,14 @@ def layer_of(name: str, depth: int | None = None) -> str:
     return ".".join(parts[:max(depth, 1)])
 
 
-def sum_by_key(keys: list[str], rows: list[list]) -> dict[str, list]:
-    """Host rows (lists of numbers, all of one length) summed per key: ``{key: [sums]}``, the
-    keys in the order they first come (a layer's rows added up, e.g. keys from ``layer_of``)."""
-    sums: dict[str, list] = {}
-    for key, row in zip(keys, rows):
-        acc = sums.setdefault(key, [0] * len(row))
-        for i, v in enumerate(row):
-            acc[i] += v
-    return sums
+def sum_by_key(keys: list[str], rows: torch.Tensor) -> dict[str, list]:
+    """The rows of a 2-d tensor (one per key) summed per key, in its dtype, on the host, in one
+    ``index_add_``: ``{key: [sums]}``, the keys in the order they first come (a layer's rows
+    added up, e.g. keys from ``layer_of``)."""
+    first: dict[str, int] = {}
+    index = torch.tensor([first.setdefault(key, len(first)) for key in keys], dtype=torch.int64)
+    rows = rows.cpu()[:len(keys)]
+    return dict(zip(first, rows.new_zeros((len(first), rows.shape[1])).index_add_(0, index, rows).tolist()))
 
 
 def exponents_entry(counts: list) -> dict:

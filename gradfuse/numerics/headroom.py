@@ -181,8 +181,7 @@ def layer_record_of_rows(names: list[str], keys: list[str], packed: torch.Tensor
     of them)."""
     if not names:
         return {}, {}
-    rows = packed.cpu().tolist()
-    sums = sum_by_key([layer_of(name, depth) for name in names], rows)
+    sums = sum_by_key([layer_of(name, depth) for name in names], packed)
     frac, exps = {}, {}
     nb = H.NUM_BINS
     for layer, acc in sums.items():
