@@ -10,7 +10,9 @@ per parameter; ``gradfuse.core.mesh_pieces``), the clip by ``training.max_norm``
 coefficient, from the same total norm within float rounding), the policies, logging; it returns
 the total norm from before clipping, which torchtitan logs as ``grad_norm``. A step the policy
 skips is not taken: the optimizers' ``step`` is not called (its LR schedulers still advance, as
-torchtitan counts steps). Any other call goes to torchtitan's own function.
+torchtitan counts steps). Any other call goes to torchtitan's own function. With
+``checkpoint.enable`` the monitor's step number and counters are saved and loaded with the
+trainer's states (key ``"gradfuse"``).
 
 Decided on the host (``blocking=True``): torchtitan's optimizers are torch's, stepped through
 its ``OptimizersContainer``.
@@ -28,6 +30,8 @@ from gradfuse.monitor.monitor import GradMonitor, StepReport
 # The torchtitan releases whose Trainer (train_step's clip, model_parts, parallel_dims) was
 # checked: [first, end).
 TESTED_VERSIONS = ((0, 3), (0, 4))
+# Where the monitor's state travels in torchtitan's checkpoints (a key of its checkpointer's states).
+STATE_KEY = "gradfuse"
 # Monitor options that need what the attachment does not give, and why.
 REFUSED_OPTIONS = {
     "clip_value": "the clamped counts of tensor-parallel copies would be counted once per copy",
@@ -53,6 +57,20 @@ def check_version(version: str) -> None:
             f"gradfuse.integrations.torchtitan: torchtitan {version} is outside the versions it was tested with "
             f"(>={first[0]}.{first[1]},<{end[0]}.{end[1]}): it replaces the clip torchtitan's Trainer.train_step "
             "looks up, whose place and arguments move between releases. Install a tested torchtitan.")
+
+
+class MonitorState:
+    """The monitor's state as torchtitan's checkpointer saves and loads its states (the
+    ``Stateful`` protocol): its step number and counters (``GradMonitor.state_dict``)."""
+
+    def __init__(self, monitor: GradMonitor):
+        self.monitor = monitor
+
+    def state_dict(self) -> dict:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state)
 
 
 class TorchtitanAttachment:
@@ -90,6 +108,10 @@ class TorchtitanAttachment:
         self._torchtitan_clip = dist_utils.clip_grad_norm_
         self._gate = StepGate(trainer.optimizers, lambda _opt: self.last_report is not None and self.last_report.skip)
         dist_utils.clip_grad_norm_ = self._clip
+        # with checkpoint.enable, saved and loaded with the trainer's states (loaded as train() starts)
+        self._states = getattr(trainer.checkpointer, "states", None)
+        if self._states is not None:
+            self._states[STATE_KEY] = MonitorState(self.monitor)
 
     def _clip(self, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None,
               ep_enabled=False):
@@ -104,10 +126,13 @@ class TorchtitanAttachment:
         return report.stats.total_norm
 
     def detach(self) -> None:
-        """Puts torchtitan's clip and the optimizers' step back, and closes the monitor."""
+        """Puts torchtitan's clip and the optimizers' step back, takes the monitor's state out of
+        the checkpointer's, and closes the monitor."""
         if self._module.clip_grad_norm_ == self._clip:
             self._module.clip_grad_norm_ = self._torchtitan_clip
         self._gate.remove()
+        if self._states is not None:
+            self._states.pop(STATE_KEY, None)
         self.monitor.close()
 
 

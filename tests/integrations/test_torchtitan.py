@@ -5,7 +5,8 @@ parallel, pipeline parallel): per step the rows equal the full gradients' norms 
 float32 rounding, one collective for the statistics (and one for a logged step's histograms),
 the gradients clipped as torchtitan's clip would, a NaN planted on one rank skipped on both (the
 optimizers not stepped), the records in the sink (their exponent histograms counting every
-element once); and the versions outside the tested range refused."""
+element once); a run resumed from torchtitan's checkpoint continuing the monitor's numbering
+and counters; and the versions outside the tested range refused."""
 import importlib.util
 import json
 import math
@@ -34,17 +35,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["fsdp", "tp", "pp"])
-def run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
+def launch(layout: str, out: Path):
+    """Two ranks of torchtitan_workers.py: their results and rank 0's records."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SITE), str(HERE), str(ROOT)]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE / "torchtitan_workers.py"), request.param, str(out)]
+           "--master_port", str(free_port()), str(HERE / "torchtitan_workers.py"), layout, str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
-    return request.param, ranks, records
+    ranks = [json.loads((out / f"{layout}.rank{r}.json").read_text()) for r in range(2)]
+    return ranks, [json.loads(line) for line in (out / f"{layout}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", params=["fsdp", "tp", "pp"])
+def run(request, tmp_path_factory):
+    return request.param, *launch(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @needs_torchtitan
@@ -92,6 +96,20 @@ def test_histograms_count_every_element_once(run):
             want = sum(n for name, n in numel.items() if name == layer or name.startswith(layer + "."))
             assert sum(entry["counts"]) == want, (layout, rec["step"], layer)
         assert set(rec["exponents"]) == set(rec["layers"]), layout
+
+
+@needs_torchtitan
+def test_the_checkpoint_carries_the_monitors_state(tmp_path):
+    """With checkpoint.enable, a run resumed from torchtitan's checkpoint of step 4 continues the
+    monitor's numbering and counters (its skipped step among them)."""
+    saved, _ = launch("saved", tmp_path)
+    assert saved[0]["counters"]["steps"] == STEPS and saved[0]["counters"]["skipped_steps"] == 1
+    resumed, records = launch("resumed", tmp_path)
+    for r in resumed:
+        assert len(r["steps"]) == 2  # steps 5 and 6 of 6
+        assert r["counters"]["steps"] == STEPS + 2 and r["counters"]["skipped_steps"] == 1, r["counters"]
+        assert r["counters"]["clipped_steps"] == STEPS + 1
+    assert [rec["step"] for rec in records] == [STEPS, STEPS + 1]
 
 
 @pytest.mark.parametrize("version", ["0.2.9", "0.4.0", "1.0.0"])

@@ -3,7 +3,9 @@ OUT``, with torchrun's environment; test_torchtitan.py starts two). LAYOUT: ``fs
 ``pp``. At each step, before the monitor: torchtitan's own total norm of the same gradients and
 each local parameter's full-gradient norm (``full_tensor()`` in float64, the reference); then the monitor's
 step with the c10d collectives it dispatches counted; after it, the gradients against
-torchtitan's clip of the same ones. Step 2 has a NaN planted on rank 0. Writes OUT/rank{r}.json."""
+torchtitan's clip of the same ones. Step 2 has a NaN planted on rank 0 (but in ``resumed``, which
+continues ``saved`` from its checkpoint). Writes OUT/LAYOUT.rank{r}.json and rank 0's records
+to OUT/LAYOUT.jsonl."""
 import json
 import math
 import os
@@ -21,7 +23,10 @@ import gradfuse  # noqa: E402
 from gradfuse.core.mesh_pieces import clean_name  # noqa: E402
 from gradfuse.integrations import torchtitan as gtt  # noqa: E402
 
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
 LAYOUTS = {"fsdp": ["--parallelism.data-parallel-shard-degree", "2"],
+           "saved": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT],  # 4 steps, saved
+           "resumed": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT, "--training.steps", "6"],
            "tp": ["--parallelism.tensor-parallel-degree", "2"],
            "pp": ["--parallelism.pipeline-parallel-degree", "2"]}
 NAN_AT = 2  # the step (0-based) whose gradient gets a NaN on rank 0
@@ -52,7 +57,7 @@ def main(layout: str, out: str) -> None:
     except ValueError as e:
         refused = str(e)
     handle = gtt.attach(trainer, every=1, on_nonfinite="skip", histogram=True,
-                        sinks=[gradfuse.JsonlSink(f"{out}/run.jsonl")])
+                        sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")])
     monitored = handle._clip  # the attachment's clip, as train_step finds it
     stepped = []
     trainer.optimizers.register_step_post_hook(lambda *_: stepped.append(len(steps)))
@@ -65,7 +70,7 @@ def main(layout: str, out: str) -> None:
         step = len(steps)
         # torchtitan's total norm of these gradients (max_norm inf: scaled by 1, nothing changed)
         theirs = float(handle._torchtitan_clip(parameters, math.inf, norm_type, False, True, pp_mesh, ep_enabled))
-        if step == NAN_AT and rank == 0:
+        if step == NAN_AT and rank == 0 and layout != "resumed":
             parameters[0].grad.to_local().view(-1)[0] = math.nan
         full = {names[id(p)]: float(p.grad.full_tensor().double().norm()) for p in parameters}
         before = [p.grad.to_local().clone() for p in parameters]
@@ -89,7 +94,7 @@ def main(layout: str, out: str) -> None:
     numel = {clean_name(n): p.numel() for part in trainer.model_parts for n, p in part.named_parameters()}
     result = {"numel": numel, "steps": steps, "stepped": stepped, "local": handle.monitor.source.local_names,
               "names": handle.monitor.source.names, "counters": handle.monitor.counters(), "refused": refused}
-    with open(f"{out}/rank{rank}.json", "w") as f:
+    with open(f"{out}/{layout}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     trainer.close()
     if torch.distributed.is_initialized():
