@@ -67,9 +67,11 @@ class MonitorState:
         self.monitor = monitor
 
     def state_dict(self) -> dict:
+        """The monitor's ``state_dict()`` (what the checkpointer saves)."""
         return self.monitor.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the monitor from what the checkpointer loaded."""
         self.monitor.load_state_dict(state)
 
 
