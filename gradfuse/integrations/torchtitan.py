@@ -95,8 +95,8 @@ class TorchtitanAttachment:
                 raise ValueError(f"gradfuse.integrations.torchtitan.attach: {key}= is not available: "
                                  f"{REFUSED_OPTIONS[key]}")
         if trainer.parallel_dims.ep_enabled:
-            raise ValueError("gradfuse.integrations.torchtitan.attach: expert parallel is not supported: torchtitan "
-                             "combines the expert and the other parameters' norms apart")
+            raise ValueError("gradfuse.integrations.torchtitan.attach: expert parallel is not supported yet (not "
+                             "tested: its uneven all-to-all does not run on gloo)")
         self.trainer = trainer
         named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters() if p.requires_grad]
         self._params = {id(p) for _, p in named}

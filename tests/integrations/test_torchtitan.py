@@ -79,6 +79,11 @@ def test_a_nan_on_one_rank_is_skipped_on_both(run):
         assert r["stepped"] == [step + 1 for step in range(STEPS) if step != NAN_AT]  # no optimizer step there
         assert r["counters"]["skipped_steps"] == 1 and r["counters"]["clipped_steps"] == STEPS - 1
         assert r["refused"] and "clip_value= is not available" in r["refused"]
+        # the flight recorder's ring: each step's total norm
+        ours = [s["ours"] for s in r["steps"]]
+        assert len(r["recorded_norms"]) == STEPS and all(
+            math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+            for a, b in zip(r["recorded_norms"], ours)), (r["recorded_norms"], ours)
     assert [rec["step"] for rec in records] == list(range(STEPS))
     assert all(len(rec["params"]) == PARAMS and rec["layers"] for rec in records)
     assert records[NAN_AT]["skipped"] and "nonfinite" in records[NAN_AT]["anomalies"]

@@ -56,7 +56,7 @@ def main(layout: str, out: str) -> None:
         refused = None
     except ValueError as e:
         refused = str(e)
-    handle = gtt.attach(trainer, every=1, on_nonfinite="skip", histogram=True,
+    handle = gtt.attach(trainer, every=1, on_nonfinite="skip", histogram=True, recorder=True,
                         sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")])
     monitored = handle._clip  # the attachment's clip, as train_step finds it
     stepped = []
@@ -92,8 +92,11 @@ def main(layout: str, out: str) -> None:
     trainer.train()
     handle.detach()
     numel = {clean_name(n): p.numel() for part in trainer.model_parts for n, p in part.named_parameters()}
+    header, arrays = handle.monitor.recorder.unroll()
+    recorded = arrays["scalars"][:, header["scalar_fields"].index("grad_norm")].tolist()
     result = {"numel": numel, "steps": steps, "stepped": stepped, "local": handle.monitor.source.local_names,
-              "names": handle.monitor.source.names, "counters": handle.monitor.counters(), "refused": refused}
+              "names": handle.monitor.source.names, "counters": handle.monitor.counters(), "refused": refused,
+              "recorded_norms": recorded}
     with open(f"{out}/{layout}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     trainer.close()
