@@ -392,7 +392,9 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
             (a round ends once each has stepped, or when one steps again). Or a DeepSpeed engine
             (what ``deepspeed.initialize`` returns first; ZeRO stages 0-3): then the monitor runs
             where the engine steps its optimizer, on the full averaged gradients, and the handle is a
-            ``gradfuse.integrations.deepspeed.DeepSpeedAttachment`` (see the DeepSpeed guide).
+            ``gradfuse.integrations.deepspeed.DeepSpeedAttachment`` (see the DeepSpeed guide). Or a
+            torchtitan ``Trainer``: then the monitor runs in place of its clip
+            (``gradfuse.integrations.torchtitan.attach``; see the torchtitan guide).
         model: names the parameters (else the optimizer's own names, or ``group{g}.{i}``).
             Watched are the parameters the optimizer(s) update.
         scaler: the ``torch.amp.GradScaler`` of the loop (``scaler.step(optimizer)``): then the
@@ -428,8 +430,9 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or a non-empty list of
-            them) or a DeepSpeed engine, or ``monitor_kwargs`` sets ``optimizer``, ``model`` or
-            ``module`` (attach sets them itself); ``model`` or ``scaler`` with a DeepSpeed engine.
+            them), a DeepSpeed engine or a torchtitan ``Trainer``, or ``monitor_kwargs`` sets
+            ``optimizer``, ``model`` or ``module`` (attach sets them itself); ``model`` or ``scaler`` with a DeepSpeed engine
+            or a torchtitan ``Trainer``.
         RuntimeError: an optimizer already has a gradfuse step gate (detach the first
             attachment before attaching again).
         ValueError: a bad monitor argument (see ``GradMonitor``).
@@ -452,6 +455,12 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                             "loss; pass it alone (gradfuse.attach(engine, max_norm=...))")
         from gradfuse.integrations.deepspeed import attach_engine
         return attach_engine(optimizer, **monitor_kwargs)
+    if any(c.__name__ == "Trainer" and c.__module__.startswith("torchtitan") for c in type(optimizer).__mro__):
+        if model is not None or scaler is not None:
+            raise TypeError("gradfuse.attach: a torchtitan Trainer holds its own model and does not scale its loss; "
+                            "pass it alone (gradfuse.attach(trainer, every=...))")
+        from gradfuse.integrations import torchtitan
+        return torchtitan.attach(optimizer, **monitor_kwargs)
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("gradfuse.attach: expected a torch.optim.Optimizer or a list of them, got "

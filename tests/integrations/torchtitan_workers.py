@@ -56,8 +56,10 @@ def main(layout: str, out: str) -> None:
         refused = None
     except ValueError as e:
         refused = str(e)
-    handle = gtt.attach(trainer, every=1, on_nonfinite="skip", histogram=True, recorder=True,
-                        sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")])
+    attach = gradfuse.attach if layout == "tp" else gtt.attach  # the same attachment, either way
+    handle = attach(trainer, every=1, on_nonfinite="skip", histogram=True, recorder=True,
+                    sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")])
+    assert isinstance(handle, gtt.TorchtitanAttachment)
     monitored = handle._clip  # the attachment's clip, as train_step finds it
     stepped = []
     trainer.optimizers.register_step_post_hook(lambda *_: stepped.append(len(steps)))
