@@ -431,8 +431,8 @@ def attach(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or a non-empty list of
             them), a DeepSpeed engine or a torchtitan ``Trainer``, or ``monitor_kwargs`` sets
-            ``optimizer``, ``model`` or ``module`` (attach sets them itself); ``model`` or ``scaler`` with a DeepSpeed engine
-            or a torchtitan ``Trainer``.
+            ``optimizer``, ``model`` or ``module`` (attach sets them itself); ``model`` or
+            ``scaler`` with a DeepSpeed engine or a torchtitan ``Trainer``.
         RuntimeError: an optimizer already has a gradfuse step gate (detach the first
             attachment before attaching again).
         ValueError: a bad monitor argument (see ``GradMonitor``).
