@@ -92,11 +92,13 @@ class HeadroomTake:
         detached = [g.detach() for g in grads]
         h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
                              names, detached)
+        hist, columns, self.names = h.exponent_histogram, h.headroom, list(h.names)
         if getattr(source, "in_pieces", False):  # each rank holds pieces: the whole gradients' histograms
-            hist, amax = source.combine_pieces(h.exponent_histogram, h.linf[:, None])
-            h.exponent_histogram, h.headroom = hist, headroom.headroom_columns(hist, amax[:, 0])
-        self.names = list(h.names)
-        self.keys, packed = headroom.packed_rows(h.exponent_histogram, h.headroom)
+            at = {name: i for i, name in enumerate(h.names)}  # rows in the watch's order, as on every rank
+            order = torch.tensor([at[name] for name in names], device=hist.device)
+            hist, amax = source.combine_pieces(hist[order], h.linf[order][:, None])
+            columns, self.names = headroom.headroom_columns(hist, amax[:, 0]), list(names)
+        self.keys, packed = headroom.packed_rows(hist, columns)
         self._copy = HostCopy([packed])
 
     def fields(self, layer_depth: int | None) -> dict:
