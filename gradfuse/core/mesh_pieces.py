@@ -81,10 +81,16 @@ class MeshPieces(FragmentWatch):
                          group, norm_type=norm_type)
         self._full_names = names
         self._empty: dict = {}
+        self._checked: set[str] = set()
 
     def _grad(self, name: str, counted_only: bool) -> torch.Tensor:
         p = self._local.get(name)
         g = None if p is None else p.grad
+        if g is not None and name not in self._checked:  # the copies counted as the parameter's placements say
+            if getattr(g, "placements", None) != getattr(p, "placements", None):
+                raise ValueError(f"gradfuse: the gradient of {clean_name(name)!r} is placed {g.placements}, its "
+                                 f"parameter {p.placements}: only gradients placed as their parameters are supported")
+            self._checked.add(name)
         if g is None or (counted_only and not self._counted[name]):
             like = p if p is not None else next(iter(self._local.values()))
             key = (like.dtype, like.device)
