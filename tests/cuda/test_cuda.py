@@ -272,7 +272,7 @@ def correctly_rounded_cpu_sqrt():
     library.extension.set_step_torch_sqrt(True)
 
 
-@pytest.mark.parametrize("options", ["plain", "scale_coefs"])
+@pytest.mark.parametrize("options", ["plain", "scale_coefs", "scale_per_tensor"])
 @pytest.mark.parametrize("config", ["sgd_first", "sgd_nesterov", "adam_l2", "adamw_amsgrad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=lambda d: str(d).replace("torch.", ""))
@@ -284,6 +284,8 @@ def test_optim_step_equals_the_cpu_kernels_bit_for_bit(correctly_rounded_cpu_sqr
     if options == "scale_coefs":
         kwargs.update(grad_scale=torch.tensor(0.5), update_coefs=torch.tensor([0.5, 1.0, 0.3, 2.0, 0.75],
                                                                               dtype=torch.float64))
+    if options == "scale_per_tensor":
+        kwargs.update(grad_scale=torch.tensor([0.5, 1.0, 0.3, 1.0, 0.01], dtype=torch.float64))
     cpu = [[t.clone() for t in lst] for lst in lists]
     f, c = torch.ops.gradfuse.multi_tensor_optim_step_(*cpu, coefs, rule, 0, **kwargs)
     gpu = [[t.cuda() for t in lst] for lst in lists]
@@ -463,3 +465,38 @@ def test_everything_on_never_syncs_on_the_device(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     logged = [r for r in records if r["step"] % 4 == 0]
     assert logged and all(r["act"] and r["exponents"] and r["update_ratio"] for r in logged)
+
+
+@pytest.mark.parametrize("per", ["layer", "param"])
+def test_per_layer_clip_rides_the_fused_step_without_a_host_sync(per):
+    """GradMonitor(per=..., fused_step=True, blocking=False) on the device: one coefficient per
+    parameter handed to the step as its gradient scale, under sync debug mode "error" (after a
+    first step, which builds the optimizer's row index); the weights those of clipping first."""
+    import gradfuse.optim
+
+    def train(fused_step):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+        opt = gradfuse.optim.AdamW([{"params": model[2].parameters()}, {"params": model[0].parameters()}], lr=1e-2)
+        monitor = gradfuse.GradMonitor(model, max_norm=0.05, per=per, every=0, optimizer=opt, blocking=False,
+                                       fused_step=fused_step)
+        xs = torch.randn(6, 16, 64, device="cuda")
+        for step in range(6):
+            if step >= 1:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                model(xs[step]).square().sum().backward()
+                monitor.step()
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        monitor.close()
+        return model, monitor
+
+    first, clip_first = train(False)
+    riding, ride = train(True)
+    assert clip_first.counters()["clipped_steps"] == ride.counters()["clipped_steps"] >= 4
+    for a, b in zip(first.parameters(), riding.parameters()):
+        assert torch.equal(a, b)
