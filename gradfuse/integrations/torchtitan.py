@@ -26,6 +26,7 @@ import torch
 from gradfuse.core.mesh_pieces import MeshPieces
 from gradfuse.integrations.pytorch import StepGate
 from gradfuse.monitor.monitor import GradMonitor, StepReport
+from gradfuse.monitor.sinks.metrics_sink import MetricsSink
 
 # The torchtitan releases whose Trainer (train_step's clip, model_parts, parallel_dims) was
 # checked: [first, end).
@@ -85,7 +86,7 @@ class TorchtitanAttachment:
         trainer: The torchtitan ``Trainer``.
     """
 
-    def __init__(self, trainer, monitor_kwargs: dict):
+    def __init__(self, trainer, monitor_kwargs: dict, metrics: bool = True):
         import torchtitan
         import torchtitan.distributed.utils as dist_utils
 
@@ -103,6 +104,8 @@ class TorchtitanAttachment:
         kwargs = {"max_norm": trainer.config.training.max_norm, "check_double_clip": False, **monitor_kwargs}
         kwargs.pop("blocking", None)
         group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        if metrics:
+            kwargs = with_torchtitan_metrics(trainer, kwargs, group)
         watch = MeshPieces(named, group, norm_type=kwargs.get("norm_type", 2.0))
         self.monitor = GradMonitor(watch, **kwargs)
         self.last_report: StepReport | None = None
@@ -138,13 +141,33 @@ class TorchtitanAttachment:
         self.monitor.close()
 
 
-def attach(trainer, **monitor_kwargs) -> TorchtitanAttachment:
+def with_torchtitan_metrics(trainer, kwargs: dict, group) -> dict:
+    """``kwargs`` with a ``MetricsSink`` of torchtitan's metric loggers (its TensorBoard / W&B,
+    where its config enables them) among the sinks, on every rank, and ``sink_ranks`` (unless
+    given) the rank torchtitan writes its metrics on (the last pipeline stage's first rank);
+    ``kwargs`` itself where no rank has a logger (one collective, at attach)."""
+    logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
+    writes = [getattr(logger, "number_of_loggers", 0) > 0]
+    if group is not None:
+        every = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(every, writes[0], group=group)
+        writes = every
+    if not any(writes):
+        return kwargs
+    return {**kwargs, "sinks": [*kwargs.get("sinks", []), MetricsSink(logger)],
+            "sink_ranks": kwargs.get("sink_ranks", writes.index(True))}
+
+
+def attach(trainer, *, metrics: bool = True, **monitor_kwargs) -> TorchtitanAttachment:
     """Runs a ``GradMonitor`` in ``trainer``'s steps, in place of torchtitan's clip (see the
     module docstring). Call it on every rank, after the ``Trainer`` is built and before
     ``trainer.train()``.
 
     Args:
         trainer: A torchtitan ``Trainer``.
+        metrics: The records also go to torchtitan's own metric loggers (TensorBoard, W&B,
+            where its ``metrics`` config enables them; the flat names of ``MetricsSink``, on the
+            rank torchtitan logs from, which is then the default ``sink_ranks``).
         **monitor_kwargs: ``GradMonitor`` options (``max_norm`` defaults to the trainer's
             ``training.max_norm``; ``every``, ``sinks``, ``sink_ranks``, ``per``, ``histogram``,
             the policies, ``recorder`` ...); those of ``REFUSED_OPTIONS`` raise.
@@ -164,4 +187,4 @@ def attach(trainer, **monitor_kwargs) -> TorchtitanAttachment:
         handle.detach()
         ```
     """
-    return TorchtitanAttachment(trainer, monitor_kwargs)
+    return TorchtitanAttachment(trainer, monitor_kwargs, metrics)

@@ -48,12 +48,13 @@ def launch(layout: str, out: Path):
 
 @pytest.fixture(scope="module", params=["fsdp", "tp", "pp"])
 def run(request, tmp_path_factory):
-    return request.param, *launch(request.param, tmp_path_factory.mktemp(request.param))
+    out = tmp_path_factory.mktemp(request.param)
+    return request.param, *launch(request.param, out), out
 
 
 @needs_torchtitan
 def test_rows_total_norm_and_clip_are_those_of_the_full_gradients(run):
-    layout, ranks, _ = run
+    layout, ranks, _, _ = run
     for rank, r in enumerate(ranks):
         assert len(r["names"]) == PARAMS and not any("_checkpoint_wrapped_module" in n for n in r["names"])
         # a pipeline stage holds some of the parameters, each rank all of them otherwise
@@ -73,7 +74,7 @@ def test_rows_total_norm_and_clip_are_those_of_the_full_gradients(run):
 
 @needs_torchtitan
 def test_a_nan_on_one_rank_is_skipped_on_both(run):
-    layout, ranks, records = run
+    layout, ranks, records, _ = run
     for r in ranks:
         assert [s["skip"] for s in r["steps"]] == [step == NAN_AT for step in range(STEPS)], layout
         assert r["stepped"] == [step + 1 for step in range(STEPS) if step != NAN_AT]  # no optimizer step there
@@ -93,7 +94,7 @@ def test_a_nan_on_one_rank_is_skipped_on_both(run):
 def test_histograms_count_every_element_once(run):
     """Each layer's exponent histogram holds each of its elements once over the ranks: shards
     summed, tensor-parallel copies counted once, every pipeline stage's layers there."""
-    layout, ranks, records = run
+    layout, ranks, records, _ = run
     numel = {**ranks[0]["numel"], **ranks[1]["numel"]}
     assert len(numel) == PARAMS
     for rec in records:
@@ -101,6 +102,25 @@ def test_histograms_count_every_element_once(run):
             want = sum(n for name, n in numel.items() if name == layer or name.startswith(layer + "."))
             assert sum(entry["counts"]) == want, (layout, rec["step"], layer)
         assert set(rec["exponents"]) == set(rec["layers"]), layout
+
+
+@needs_torchtitan
+def test_records_go_to_torchtitans_tensorboard_too(run):
+    """With torchtitan's TensorBoard on (the pipeline run), gradfuse's metrics are in its event
+    file, written on the rank torchtitan writes from (the last stage's)."""
+    layout, _, records, out = run
+    if layout != "pp":
+        pytest.skip("the pipeline run has torchtitan's TensorBoard on")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events] = list(out.rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "grad/total_norm" in tags and "loss_metrics/global_avg_loss" in tags, tags
+    steps = [e.step for e in acc.Scalars("grad/total_norm")]
+    assert steps == list(range(STEPS)), steps
+    assert all(rec.get("rank") is None for rec in records)  # one writer: the records carry no rank
 
 
 @needs_torchtitan

@@ -28,7 +28,7 @@ LAYOUTS = {"fsdp": ["--parallelism.data-parallel-shard-degree", "2"],
            "saved": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT],  # 4 steps, saved
            "resumed": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT, "--training.steps", "6"],
            "tp": ["--parallelism.tensor-parallel-degree", "2"],
-           "pp": ["--parallelism.pipeline-parallel-degree", "2"]}
+           "pp": ["--parallelism.pipeline-parallel-degree", "2", "--metrics.enable-tensorboard"]}
 NAN_AT = 2  # the step (0-based) whose gradient gets a NaN on rank 0
 MAX_NORM = 0.5  # below the debug model's gradient norms (about 0.7-1): every step clips
 
