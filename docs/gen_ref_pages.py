@@ -58,13 +58,15 @@ MODULES = [
     ("gradfuse.viz.updates", "gradfuse.viz.updates", ["plot_updates", "update_figure", "has_updates",
                                                       "updates_path"]),
     ("gradfuse.monitor.flight_dump", "gradfuse.monitor.flight_dump", ["FlightDump", "write_dump", "load_dump"]),
-    ("gradfuse.integrations.pytorch", "gradfuse.integrations.pytorch",
-     ["Attachment", "attach", "StepGate"]),
+    ("gradfuse.integrations.pytorch", "gradfuse.integrations.pytorch", ["Attachment", "attach"]),
+    ("gradfuse.integrations.step_gate", "gradfuse.integrations.step_gate", ["StepGate"]),
     ("gradfuse.integrations.lightning", "gradfuse.integrations.lightning", ["GradfuseCallback"]),
     ("gradfuse.integrations.transformers", "gradfuse.integrations.transformers",
      ["GradfuseCallback", "attach"]),
     ("gradfuse.integrations.deepspeed", "gradfuse.integrations.deepspeed",
      ["DeepSpeedAttachment", "attach_engine", "unsupported_setting", "check_version"]),
+    ("gradfuse.integrations.torchtitan", "gradfuse.integrations.torchtitan",
+     ["TorchtitanAttachment", "attach", "check_version"]),
 ]
 
 

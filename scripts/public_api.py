@@ -28,7 +28,8 @@ MODULES = {"gradfuse": None, "gradfuse.sinks": None, "gradfuse.histogram": None,
            "gradfuse.headroom": None, "gradfuse.optim": None,
            "gradfuse.integrations.pytorch": ["Attachment", "attach", "StepGate"],
            "gradfuse.integrations.lightning": ["GradfuseCallback"],
-           "gradfuse.integrations.transformers": ["GradfuseCallback", "attach"]}
+           "gradfuse.integrations.transformers": ["GradfuseCallback", "attach"],
+           "gradfuse.integrations.torchtitan": ["TorchtitanAttachment", "attach", "check_version"]}
 
 
 def _signature(obj) -> list | None:

@@ -10,7 +10,7 @@ that it asks for (``clip_gradients``, by norm or by value) is made by the monito
 fused pass as its statistics and policies. An override of ``configure_gradient_clipping`` decides
 as it does without gradfuse: it may skip the clip, ask for another value or algorithm, and
 ``clip_gradients`` keeps its checks and errors; nothing is clipped twice. A step the policy skips
-is not taken (see ``gradfuse.integrations.pytorch.StepGate``). The wrappers over the precision
+is not taken (see ``gradfuse.integrations.step_gate.StepGate``). The wrappers over the precision
 plugin's methods that make this so are ``gradfuse.integrations.lightning_clip_path``'s.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from lightning.pytorch import Callback  # noqa: E402
 
 from gradfuse.core.amp import scaler_unscaled  # noqa: E402
 from gradfuse.integrations.lightning_clip_path import OWN, ClipPath, clip_algorithm, clip_mode  # noqa: E402
-from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
+from gradfuse.integrations.pytorch import named_optimizer_params  # noqa: E402
+from gradfuse.integrations.step_gate import StepGate  # noqa: E402
 from gradfuse.monitor.clip_strategy import DoubleClipCheck, describe_mode, double_clip_message  # noqa: E402
 from gradfuse.monitor.device_skip import device_skip_kind  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402

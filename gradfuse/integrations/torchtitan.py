@@ -9,22 +9,26 @@ every rank's pieces, rows combined in one all-gather over the world, never a ``f
 per parameter; ``gradfuse.core.mesh_pieces``), the clip by ``training.max_norm`` (torchtitan's
 coefficient, from the same total norm within float rounding), the policies, logging; it returns
 the total norm from before clipping, which torchtitan logs as ``grad_norm``. A step the policy
-skips is not taken: the optimizers' ``step`` is not called (its LR schedulers still advance, as
-torchtitan counts steps). Any other call goes to torchtitan's own function. With
-``checkpoint.enable`` the monitor's step number and counters are saved and loaded with the
-trainer's states (key ``"gradfuse"``).
+skips is not taken (its LR schedulers still advance, as torchtitan counts steps). Any other call
+goes to torchtitan's own function. With ``checkpoint.enable`` the monitor's step number and
+counters are saved and loaded with the trainer's states (key ``"gradfuse"``).
 
-Decided on the host (``blocking=True``): torchtitan's optimizers are torch's, stepped through
-its ``OptimizersContainer``.
+Decided on the device (``blocking=False``, the default) where every optimizer of the trainer takes
+the skip there (torch's fused Adam / AdamW, torchtitan's default ``optimizer.implementation``):
+each takes the step's flag as its ``found_inf``, gradfuse reads nothing on the host in the step,
+and the report, counters and records of a step are settled at the next one (at ``detach()`` for
+the last). Otherwise, or with ``blocking=True``, on the host.
 
-Layer: integrations. Imports ``gradfuse.core``, ``gradfuse.monitor`` and ``gradfuse.integrations.pytorch``.
+Layer: integrations. Imports ``gradfuse.core``, ``gradfuse.monitor`` and
+``gradfuse.integrations.step_gate``.
 """
 from __future__ import annotations
 
 import torch
 
 from gradfuse.core.mesh_pieces import MeshPieces
-from gradfuse.integrations.pytorch import StepGate
+from gradfuse.integrations.step_gate import StepGate
+from gradfuse.monitor.device_skip import device_skip_kind
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.monitor.sinks.metrics_sink import MetricsSink
 
@@ -41,9 +45,36 @@ REFUSED_OPTIONS = {
     "max_update_rms": "torchtitan's optimizers are stepped through its OptimizersContainer",
     "noise_scale": "the per-micro-batch gradients are reduced inside FSDP2's backward",
     "scaler": "torchtitan does not scale its loss",
-    "blocking": "torchtitan's optimizers take no skip flag on the device: the monitor decides on the host",
     "optimizer": "set by the attachment",
 }
+
+
+class EachOptimizer:
+    """torchtitan's ``OptimizersContainer`` as a non-blocking monitor's ``optimizer=``: the
+    monitor's step hooks go on each optimizer in it, so that each takes the step's skip flag as
+    its ``found_inf`` (torch's fused Adam / AdamW skip on the device, step counters kept)."""
+
+    takes_found_inf = True  # device_skip_kind: the monitor's step hooks hand it found_inf
+
+    def __init__(self, container):
+        self.optimizers = list(container.optimizers)
+
+    def register_step_pre_hook(self, hook):
+        """``hook`` before each optimizer's step; returns a handle with ``remove()``."""
+        return _Handles([o.register_step_pre_hook(hook) for o in self.optimizers])
+
+    def register_step_post_hook(self, hook):
+        """``hook`` after each optimizer's step; returns a handle with ``remove()``."""
+        return _Handles([o.register_step_post_hook(hook) for o in self.optimizers])
+
+
+class _Handles:
+    def __init__(self, handles):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def check_version(version: str) -> None:
@@ -92,7 +123,7 @@ class TorchtitanAttachment:
 
         check_version(getattr(torchtitan, "__version__", "0.3.0"))
         for key, value in monitor_kwargs.items():
-            if key in REFUSED_OPTIONS and value not in (None, False) and not (key == "blocking" and value is True):
+            if key in REFUSED_OPTIONS and value not in (None, False):
                 raise ValueError(f"gradfuse.integrations.torchtitan.attach: {key}= is not available: "
                                  f"{REFUSED_OPTIONS[key]}")
         if trainer.parallel_dims.ep_enabled:
@@ -102,7 +133,16 @@ class TorchtitanAttachment:
         named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters() if p.requires_grad]
         self._params = {id(p) for _, p in named}
         kwargs = {"max_norm": trainer.config.training.max_norm, "check_double_clip": False, **monitor_kwargs}
-        kwargs.pop("blocking", None)
+        # decided on the device where every optimizer takes the flag (torch's fused Adam / AdamW, the
+        # default optimizer.implementation), unless blocking=True
+        on_device = all(device_skip_kind(o) == "torch fused" for o in trainer.optimizers.optimizers)
+        blocking = kwargs.pop("blocking", None)
+        if blocking is False and not on_device:
+            raise ValueError("gradfuse.integrations.torchtitan.attach: blocking=False needs optimizers that take the "
+                             "skip on the device: torch's Adam / AdamW with optimizer.implementation='fused'")
+        self.blocking = not on_device if blocking is None else blocking
+        if not self.blocking:
+            kwargs.update(blocking=False, optimizer=EachOptimizer(trainer.optimizers))
         group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         if metrics:
             kwargs = with_torchtitan_metrics(trainer, kwargs, group)
@@ -111,7 +151,8 @@ class TorchtitanAttachment:
         self.last_report: StepReport | None = None
         self._module = dist_utils
         self._torchtitan_clip = dist_utils.clip_grad_norm_
-        self._gate = StepGate(trainer.optimizers, lambda _opt: self.last_report is not None and self.last_report.skip)
+        self._gate = None if not self.blocking else StepGate(
+            trainer.optimizers, lambda _opt: self.last_report is not None and self.last_report.skip)
         dist_utils.clip_grad_norm_ = self._clip
         # with checkpoint.enable, saved and loaded with the trainer's states (loaded as train() starts)
         self._states = getattr(trainer.checkpointer, "states", None)
@@ -135,7 +176,8 @@ class TorchtitanAttachment:
         the checkpointer's, and closes the monitor."""
         if self._module.clip_grad_norm_ == self._clip:
             self._module.clip_grad_norm_ = self._torchtitan_clip
-        self._gate.remove()
+        if self._gate is not None:
+            self._gate.remove()
         if self._states is not None:
             self._states.pop(STATE_KEY, None)
         self.monitor.close()

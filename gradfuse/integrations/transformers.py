@@ -29,7 +29,8 @@ require("transformers", "transformers", "integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 
-from gradfuse.integrations.pytorch import StepGate, named_optimizer_params  # noqa: E402
+from gradfuse.integrations.pytorch import named_optimizer_params  # noqa: E402
+from gradfuse.integrations.step_gate import StepGate  # noqa: E402
 from gradfuse.monitor.clip_strategy import describe_mode  # noqa: E402
 from gradfuse.monitor.device_skip import device_skip_kind  # noqa: E402
 from gradfuse.monitor.monitor import GradMonitor, StepReport  # noqa: E402

@@ -4,7 +4,8 @@ parallel, pipeline parallel): per step the rows equal the full gradients' norms 
 ``full_tensor()`` per parameter, the reference), the total norm torchtitan's own within its
 float32 rounding, one collective for the statistics (and one for a logged step's histograms),
 the gradients clipped as torchtitan's clip would, a NaN planted on one rank skipped on both (the
-optimizers not stepped), the records in the sink (their exponent histograms counting every
+optimizers not stepped; by default decided on the device, nothing read on the host), the
+records in the sink (their exponent histograms counting every
 element once); a run resumed from torchtitan's checkpoint continuing the monitor's numbering
 and counters; and the versions outside the tested range refused."""
 import importlib.util
@@ -78,6 +79,7 @@ def test_a_nan_on_one_rank_is_skipped_on_both(run):
     for r in ranks:
         assert [s["skip"] for s in r["steps"]] == [step == NAN_AT for step in range(STEPS)], layout
         assert r["stepped"] == [step + 1 for step in range(STEPS) if step != NAN_AT]  # no optimizer step there
+        assert r["blocking"] and all(s["host_reads"] > 0 for s in r["steps"])  # blocking=True: decided on the host
         assert r["counters"]["skipped_steps"] == 1 and r["counters"]["clipped_steps"] == STEPS - 1
         assert r["refused"] and "clip_value= is not available" in r["refused"]
         # the flight recorder's ring: each step's total norm
@@ -102,6 +104,24 @@ def test_histograms_count_every_element_once(run):
             want = sum(n for name, n in numel.items() if name == layer or name.startswith(layer + "."))
             assert sum(entry["counts"]) == want, (layout, rec["step"], layer)
         assert set(rec["exponents"]) == set(rec["layers"]), layout
+
+
+@needs_torchtitan
+def test_the_skip_decided_on_the_device_reads_nothing_on_the_host(tmp_path):
+    """By default (torchtitan's fused AdamW takes found_inf) the monitor decides on the device:
+    gradfuse reads nothing on the host in any step, the NaN step leaves the weights as they were
+    on both ranks, and its report, counters and record come a step later, as with blocking=True."""
+    ranks, records = launch("device", tmp_path)
+    for rank, r in enumerate(ranks):
+        assert r["blocking"] is False
+        assert [s["host_reads"] for s in r["steps"]] == [0] * STEPS, (rank, r["steps"])
+        assert [s["skip"] for s in r["steps"]] == [None] * STEPS  # settled at the next step
+        assert r["moved"] == [step != NAN_AT for step in range(STEPS)], (rank, r["moved"])
+        assert r["counters"]["skipped_steps"] == 1 and r["counters"]["clipped_steps"] == STEPS - 1
+        for step, s in enumerate(r["steps"]):
+            if step != NAN_AT:
+                assert math.isclose(s["ours"], s["theirs"], rel_tol=2e-4) and s["scaled_like_theirs"], (rank, step)
+    assert [rec["step"] for rec in records] == list(range(STEPS)) and records[NAN_AT]["skipped"]
 
 
 @needs_torchtitan

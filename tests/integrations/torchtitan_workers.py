@@ -28,7 +28,8 @@ LAYOUTS = {"fsdp": ["--parallelism.data-parallel-shard-degree", "2"],
            "saved": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT],  # 4 steps, saved
            "resumed": ["--parallelism.data-parallel-shard-degree", "2", *CHECKPOINT, "--training.steps", "6"],
            "tp": ["--parallelism.tensor-parallel-degree", "2"],
-           "pp": ["--parallelism.pipeline-parallel-degree", "2", "--metrics.enable-tensorboard"]}
+           "pp": ["--parallelism.pipeline-parallel-degree", "2", "--metrics.enable-tensorboard"],
+           "device": ["--parallelism.data-parallel-shard-degree", "2"]}  # the skip decided on the device
 NAN_AT = 2  # the step (0-based) whose gradient gets a NaN on rank 0
 MAX_NORM = 0.5  # below the debug model's gradient norms (about 0.7-1): every step clips
 
@@ -57,12 +58,17 @@ def main(layout: str, out: str) -> None:
     except ValueError as e:
         refused = str(e)
     attach = gradfuse.attach if layout == "tp" else gtt.attach  # the same attachment, either way
-    handle = attach(trainer, every=1, on_nonfinite="skip", histogram=True, recorder=True,
-                    sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")])
+    handle = attach(trainer, every=1, on_nonfinite="skip", histogram=True,
+                    recorder=gradfuse.FlightRecorder(dump_dir=f"{out}/{layout}.dumps"),
+                    sinks=[gradfuse.JsonlSink(f"{out}/{layout}.jsonl")],
+                    **({} if layout == "device" else {"blocking": True}))
     assert isinstance(handle, gtt.TorchtitanAttachment)
     monitored = handle._clip  # the attachment's clip, as train_step finds it
-    stepped = []
+    stepped, moved, first = [], [], next(p for part in trainer.model_parts for p in part.parameters())
+    trainer.optimizers.register_step_pre_hook(lambda *_: moved.append(first.to_local().clone()))
     trainer.optimizers.register_step_post_hook(lambda *_: stepped.append(len(steps)))
+    trainer.optimizers.register_step_post_hook(
+        lambda *_: moved.append(not torch.equal(moved.pop(), first.to_local())))
     names = {id(p): clean_name(n) for part in trainer.model_parts for n, p in part.named_parameters()}
     steps = []
 
@@ -76,7 +82,7 @@ def main(layout: str, out: str) -> None:
             parameters[0].grad.to_local().view(-1)[0] = math.nan
         full = {names[id(p)]: float(p.grad.full_tensor().double().norm()) for p in parameters}
         before = [p.grad.to_local().clone() for p in parameters]
-        with CountCollectives() as counted:
+        with CountCollectives() as counted, gradfuse.HostReads() as reads:
             ours = monitored(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         report = handle.last_report
         rows = dict(zip(report.stats.names, report.stats.norm(2.0).tolist()))
@@ -84,9 +90,10 @@ def main(layout: str, out: str) -> None:
         # torchtitan's norm is a float32 reduction, gradfuse's a float64 sum of float32 rows: their
         # coefficients differ by its rounding (up to 2e-4 on the debug model's lm_head)
         scaled = all(torch.allclose(p.grad.to_local(), b * coef, rtol=3e-4, atol=0)
-                     for p, b in zip(parameters, before)) if not report.skip else None
+                     for p, b in zip(parameters, before)) if step != NAN_AT else None
         steps.append({"theirs": theirs, "ours": float(ours), "full": full,
-                      "rows": rows, "collectives": counted.count, "skip": report.skip, "scaled_like_theirs": scaled,
+                      "rows": rows, "collectives": counted.count, "host_reads": len(reads.reads_from(gradfuse)),
+                      "skip": report.skip if report.settled else None, "scaled_like_theirs": scaled,
                       "coef": coef})
         return ours
 
@@ -96,7 +103,8 @@ def main(layout: str, out: str) -> None:
     numel = {clean_name(n): p.numel() for part in trainer.model_parts for n, p in part.named_parameters()}
     header, arrays = handle.monitor.recorder.unroll()
     recorded = arrays["scalars"][:, header["scalar_fields"].index("grad_norm")].tolist()
-    result = {"numel": numel, "steps": steps, "stepped": stepped, "local": handle.monitor.source.local_names,
+    result = {"numel": numel, "steps": steps, "moved": moved, "blocking": handle.blocking, "stepped": stepped,
+              "local": handle.monitor.source.local_names,
               "names": handle.monitor.source.names, "counters": handle.monitor.counters(), "refused": refused,
               "recorded_norms": recorded}
     with open(f"{out}/{layout}.rank{rank}.json", "w") as f:
