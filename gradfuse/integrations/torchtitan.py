@@ -113,7 +113,9 @@ class TorchtitanAttachment:
 
     Attributes:
         monitor (GradMonitor): The monitor (its ``source`` the ``MeshPieces`` of the model).
-        last_report (StepReport | None): The report of the latest step.
+        last_report (StepReport | None): The report of the latest step (with ``blocking``
+            False, settled at the next step).
+        blocking (bool): Whether the monitor decides on the host (see the module docstring).
         trainer: The torchtitan ``Trainer``.
     """
 
