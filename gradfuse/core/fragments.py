@@ -89,7 +89,9 @@ def whole_stats(local: GradStats, names: list[str], group, out_dtype: torch.dtyp
         counts = torch.cat([counts, local.clamped.to(counts.device, counts.dtype)[:, None]], 1)
     if list(local.names) != list(names):  # several (device, dtype) groups: rows in the order of names
         row_of = {n: i for i, n in enumerate(local.names)}
-        order = torch.tensor([row_of[n] for n in names], device=floats.device)
+        order = torch.tensor([row_of[n] for n in names])
+        if floats.device.type != "cpu":  # pinned, so that the copy does not wait for the device
+            order = order.pin_memory().to(floats.device, non_blocking=True)
         floats, counts = floats[order], counts[order]
     floats, counts = combine_rows(floats, counts, group)
     out_counts = counts[:, :-1].contiguous() if clamped else counts

@@ -93,10 +93,15 @@ class HeadroomTake:
         h = attach_histogram(fused_stats(names, detached, 2.0, what="tensor", elementwise_zero_norm=True),
                              names, detached)
         hist, columns, self.names = h.exponent_histogram, h.headroom, list(h.names)
-        if getattr(source, "in_pieces", False):  # each rank holds pieces: the whole gradients' histograms
-            at = {name: i for i, name in enumerate(h.names)}  # rows in the watch's order, as on every rank
-            order = torch.tensor([at[name] for name in names], device=hist.device)
-            hist, amax = source.combine_pieces(hist[order], h.linf[order][:, None])
+        if isinstance(source, GradWatch) and source.in_pieces:  # each rank holds pieces: the whole gradients'
+            linf = h.linf
+            if list(h.names) != list(names):  # rows in the watch's order, as on every rank
+                at = {name: i for i, name in enumerate(h.names)}
+                order = torch.tensor([at[name] for name in names])
+                if hist.device.type != "cpu":  # pinned, so that the copy does not wait for the device
+                    order = order.pin_memory().to(hist.device, non_blocking=True)
+                hist, linf = hist[order], linf[order]
+            hist, amax = source.combine_pieces(hist, linf[:, None])
             columns, self.names = headroom.headroom_columns(hist, amax[:, 0]), list(names)
         self.keys, packed = headroom.packed_rows(hist, columns)
         self._copy = HostCopy([packed])
