@@ -1,5 +1,6 @@
-"""Helpers every layer may use: warnings that point at the user's line, and optional packages
-imported on first use with an install hint.
+"""Helpers every layer may use: warnings that point at the user's line, optional packages
+imported on first use with an install hint, and whether a framework's version is in a tested
+range.
 
 Layer: the bottom, beside ``gradfuse.ops``. Imports nothing of gradfuse.
 """
@@ -44,3 +45,14 @@ def require(module: str, pip_name: str, what: str):
     except ImportError as e:
         raise ImportError(f"gradfuse.{what} needs the optional package {pip_name!r}: "
                           f"pip install {pip_name}") from e
+
+
+def outside_tested(version: str, tested: tuple[tuple[int, int], tuple[int, int]]) -> str | None:
+    """``None`` when the (major, minor) of ``version`` (``"0.19.8"``, ``"0.3.1.dev0+git12"``) is in
+    ``tested``, ``[first, end)``; else that range in words (``">=0.19,<0.20"``), for the refusal."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    first, end = tested
+    return None if first <= tuple(parts) < end else f">={first[0]}.{first[1]},<{end[0]}.{end[1]}"

@@ -45,7 +45,7 @@ import torch
 from gradfuse.core.fragments import FragmentWatch, check_fragment_order
 from gradfuse.integrations.deepspeed_skip import OverflowPlant
 from gradfuse.monitor.monitor import GradMonitor, StepReport
-from gradfuse.utils import warn
+from gradfuse.utils import outside_tested, warn
 
 # The DeepSpeed releases whose gradient accessors (above) were checked: [first, end).
 TESTED_VERSIONS = ((0, 19), (0, 20))
@@ -73,15 +73,11 @@ def is_deepspeed_engine(obj) -> bool:
 
 def check_version(version: str) -> None:
     """Raises RuntimeError when DeepSpeed ``version`` is outside ``TESTED_VERSIONS``."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    first, end = TESTED_VERSIONS
-    if not first <= tuple(parts) < end:
+    tested = outside_tested(version, TESTED_VERSIONS)
+    if tested is not None:
         raise RuntimeError(
             f"gradfuse.attach: DeepSpeed {version} is outside the versions gradfuse's DeepSpeed attachment "
-            f"was tested with (>={first[0]}.{first[1]},<{end[0]}.{end[1]}): it reads DeepSpeed's gradient "
+            f"was tested with ({tested}): it reads DeepSpeed's gradient "
             "fragments through accessors that move between releases, and refuses rather than risk wrong "
             "statistics. Install a tested DeepSpeed, or use gradfuse.stats(deepspeed.utils.safe_get_full_grad"
             "(p) ...) by hand.")

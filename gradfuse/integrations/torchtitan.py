@@ -31,6 +31,7 @@ from gradfuse.integrations.step_gate import StepGate
 from gradfuse.monitor.device_skip import device_skip_kind
 from gradfuse.monitor.monitor import GradMonitor, StepReport
 from gradfuse.monitor.sinks.metrics_sink import MetricsSink
+from gradfuse.utils import outside_tested
 
 # The torchtitan releases whose Trainer (train_step's clip, model_parts, parallel_dims) was
 # checked: [first, end).
@@ -79,15 +80,11 @@ class _Handles:
 
 def check_version(version: str) -> None:
     """Raises RuntimeError when torchtitan ``version`` is outside ``TESTED_VERSIONS``."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    first, end = TESTED_VERSIONS
-    if not first <= tuple(parts) < end:
+    tested = outside_tested(version, TESTED_VERSIONS)
+    if tested is not None:
         raise RuntimeError(
             f"gradfuse.integrations.torchtitan: torchtitan {version} is outside the versions it was tested with "
-            f"(>={first[0]}.{first[1]},<{end[0]}.{end[1]}): it replaces the clip torchtitan's Trainer.train_step "
+            f"({tested}): it replaces the clip torchtitan's Trainer.train_step "
             "looks up, whose place and arguments move between releases. Install a tested torchtitan.")
 
 
